@@ -1,0 +1,46 @@
+// Scale formulas and rounding shared by the quantization kernels, the attention kernels and
+// the CPU simulator. Every multiply and divide here is a single IEEE fp32 operation
+// (round to nearest even), written so that host and device compute the same bits:
+// nothing here may be fused into an FMA differently on the two sides.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "sage/config.h"
+#include "sage/formats.h"
+
+namespace sage::rules {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Largest magnitude a symmetric integer format may take.
+constexpr int kInt8Max = 127;
+constexpr int kInt4Max = 7;
+
+// A group's scale: amax / qmax, so that dequantized = code * scale. A zero group gets
+// scale 0 and codes 0 (never NaN).
+SAGE_HD float symmetric_scale(float amax, float qmax) { return amax / qmax; }
+// The multiplier applied before rounding: qmax / amax (0 for an all-zero group).
+SAGE_HD float symmetric_inverse(float amax, float qmax) { return amax > 0.f ? qmax / amax : 0.f; }
+
+// Round to nearest even and clamp to [-qmax, qmax] (cvt.rni.sat + min/max on the GPU).
+SAGE_HD int32_t round_clamp(float x, int qmax) {
+  float r = rintf(x);
+  r = fminf(fmaxf(r, -static_cast<float>(qmax)), static_cast<float>(qmax));
+  return static_cast<int32_t>(r);  // NaN inputs are excluded by the callers' amax
+}
+
+// The per-score multiplier of the INT8 QK path: converts the int32 accumulator straight
+// into the base-2 logit domain. Order fixed: (q_scale * k_scale) * (sm_scale * log2e).
+SAGE_HD float score_multiplier(float q_scale, float k_scale, float sm_scale_log2) {
+  return (q_scale * k_scale) * sm_scale_log2;
+}
+SAGE_HD float sm_scale_log2(float sm_scale) { return sm_scale * kLog2e; }
+
+// Static P scaling (the softmax numerator P~ is in [0, 1]): P~ * p_max is quantized.
+//   e4m3 448, e5m2 57344, int8 127, or the recipe's narrowed p_range (SageAttention2++).
+// V per-channel scaling maps max|v_c| to v_max: 448 (e4m3), 57344 (e5m2), 127 (int8), or
+// the recipe's v_range.
+
+}  // namespace sage::rules

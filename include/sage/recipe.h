@@ -1,0 +1,121 @@
+// Recipes: a quantized-attention system is a point in a small space of choices.
+//
+// Every system of the SageAttention family (and INT-FlashAttention) is a combination of
+// the orthogonal options below. The papers' configurations are named presets over them
+// (see presets()). Kernels, quantizers and the CPU simulator all read the same Recipe, so
+// a preset means exactly the same numerics everywhere.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace sage {
+
+// Format of Q and K in the QK^T matmul.
+enum class QKFormat : uint8_t {
+  fp16,   // no quantization (reference / FP16 path)
+  int8,   // symmetric INT8, values in [-127, 127]
+  int4,   // symmetric INT4 values in [-7, 7] (computed exactly on INT8 tensor cores on Hopper)
+  e4m3,   // FP8 E4M3 with a float scale per group (max 448)
+  nvfp4,  // E2M1 values, one E4M3 scale per 16 consecutive channels
+  mxfp4,  // E2M1 values, one E8M0 scale per 32 consecutive channels
+};
+
+// Which tokens of Q (or K) share one quantization scale. The exact map from a token index
+// to its group is a function of the kernel tile configuration: see tile.h.
+// (nvfp4 / mxfp4 ignore this: their groups run along head_dim; they take `microscale`.)
+enum class Granularity : uint8_t {
+  per_tensor,  // one scale per (batch, head)
+  per_block,   // one scale per kernel tile of tokens
+  per_warp,    // one scale per 16-row warp slice of a Q tile (K: per block)
+  per_thread,  // the tokens one tensor-core thread holds share a scale
+  per_token,   // one scale per token
+  microscale,  // FP4 block scaling along head_dim (1x16 NVFP4, 1x32 MXFP4)
+};
+
+// Format of P (the softmax numerator) and V in the PV matmul.
+enum class PVFormat : uint8_t {
+  fp16,   // P and V in FP16 (SageAttention 1 "T"/"B")
+  e4m3,   // FP8 E4M3 P with a static scale, V per channel
+  e5m2,   // FP8 E5M2 (for comparison; the papers choose E4M3)
+  int8,   // INT8 P with static scale 1/127, INT8 V (SageAttention vT/vB, INT-FlashAttention)
+  nvfp4,  // SageAttention3: NVFP4 P (two-level) and V (microscaled along tokens)
+  mxfp4,  // MXFP4 P and V (for comparison with NVFP4)
+};
+
+// How P is scaled before it is quantized.
+enum class PScale : uint8_t {
+  none,       // fp16 P
+  static_max, // P~ in [0,1] times a static factor: the format max (or p_range when set)
+  two_level,  // SageAttention3: per-row scale to 448*6 first, then microscaling
+};
+
+// Granularity of the V scale.
+enum class VScale : uint8_t {
+  none,         // fp16 V
+  per_channel,  // one scale per head_dim channel over all tokens
+  per_tensor,   // one scale per (batch, head)
+  microscale,   // FP4 block scaling along tokens
+};
+
+// How the PV products are accumulated.
+enum class PVAccum : uint8_t {
+  fp32,           // exact fp32 accumulation (what the FP16 wgmma with fp32 accumulator does)
+  fp16,           // fp16 accumulator (SageAttention 1 on consumer GPUs)
+  fp22,           // FP8 MMA's internal accumulator (13 mantissa bits) over the whole row
+  two_level,      // fp22 inside one KV block, then added into an fp32 buffer (SageAttention2)
+  fp16x2_fp32,    // SageAttention2++: two k32 MMAs accumulate in fp16, then added into fp32
+};
+
+// Where the softmax denominator comes from.
+enum class RowSum : uint8_t {
+  float_p,      // sum of the unquantized P~ (SageAttention 1/2/3)
+  quantized_p,  // sum of the quantized P (INT-FlashAttention)
+};
+
+// Whether the caller passes fp16/bf16 tensors or already-quantized INT8 ones with scales.
+enum class Inputs : uint8_t { floating, prequantized_int8 };
+
+struct Recipe {
+  std::string name = "custom";
+  QKFormat qk_format = QKFormat::int8;
+  Granularity qk_granularity = Granularity::per_thread;
+  bool smooth_k = true;   // subtract the mean of K over tokens (exact: softmax is shift-invariant)
+  bool smooth_q = false;  // subtract the per-Q-block mean; add back dS = mean(Q_blk) K^T
+  bool smooth_v = false;  // subtract the mean of V over tokens; add it back to the output
+  PVFormat pv_format = PVFormat::e4m3;
+  PScale p_scale = PScale::static_max;
+  VScale v_scale = VScale::per_channel;
+  PVAccum pv_accum = PVAccum::two_level;
+  float p_range = 0.f;  // static_max: P~ is scaled to [0, p_range] (0: the format max)
+  float v_range = 0.f;  // per_channel/per_tensor V scaled to [-v_range, v_range] (0: format max)
+  RowSum row_sum = RowSum::float_p;
+  Inputs inputs = Inputs::floating;
+};
+
+// The papers' configurations.
+//   sage1_t, sage1_b, sage1_vt, sage1_vb   SageAttention (INT8 QK, K smoothing)
+//   sage2_8b (default on Hopper), sage2_4b SageAttention2 (per-thread, FP8 PV, two-level)
+//   sage2_8b_vsmooth                        SageAttention2 with V smoothing
+//   sage2pp_8b, sage2pp_4b                  SageAttention2++ (FP16-accumulated FP8 PV)
+//   sage3_fp4                               SageAttention3 (NVFP4, two-level P)
+//   int_flash, int_flash_q                  INT-FlashAttention (prequantized / fp16 inputs)
+const std::vector<Recipe>& presets();
+// Looks a preset up by name; throws sage::Error("recipe", ...) listing the names otherwise.
+const Recipe& preset(const std::string& name);
+// The paper a preset comes from and a one-line description (for docs and the CLI).
+std::string recipe_paper(const Recipe& r);
+std::string recipe_summary(const Recipe& r);
+// Throws sage::Error naming the inconsistent option (e.g. "recipe.qk_granularity").
+void validate_recipe(const Recipe& r);
+
+const char* to_string(QKFormat v);
+const char* to_string(Granularity v);
+const char* to_string(PVFormat v);
+const char* to_string(PScale v);
+const char* to_string(VScale v);
+const char* to_string(PVAccum v);
+const char* to_string(RowSum v);
+const char* to_string(Inputs v);
+
+}  // namespace sage

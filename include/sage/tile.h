@@ -1,0 +1,99 @@
+// Kernel tile configuration and the group maps derived from it.
+//
+// Which tokens share one quantization scale is decided here, once, as a function of the
+// tile shape the Hopper kernel uses. The quantization kernels, the attention kernel and the
+// CPU simulator all call these functions, so a "per-thread" scale means the same set of
+// tokens in all three.
+//
+// Why these maps (Hopper wgmma m64nNk32, one warpgroup = 4 warps owns 64 Q rows):
+//  * The S accumulator gives lane l of warp w the rows 16w + l/4 and 16w + l/4 + 8 of its
+//    64-row slice, so a per-thread Q group is those two rows: (row/16)*8 + row%8.
+//  * The same lane holds the columns 8j + 2(l%4) + {0,1} for every j, so a per-thread K
+//    group is the tokens whose index mod 8 is {0,1}, {2,3}, {4,5} or {6,7}: 4 per K tile.
+//  * All four warps read the whole K tile, so per-warp K is per-block K.
+#pragma once
+
+#include <cstdint>
+
+#include "sage/config.h"
+#include "sage/recipe.h"
+
+namespace sage {
+
+struct TileConfig {
+  int block_q;   // Q rows per CTA tile (a multiple of 64: one or more warpgroups)
+  int block_kv;  // K/V tokens per pipeline stage (the online-softmax block)
+};
+
+// One function decides the tiles, for every head dim and recipe.
+SAGE_HD TileConfig tile_config(int head_dim) {
+  (void)head_dim;
+  return TileConfig{128, 128};
+}
+
+constexpr int kWarpRows = 16;        // Q rows per warp in a wgmma accumulator
+constexpr int kQThreadGroupRows = 8; // rows r and r+8 of a warp slice share a thread
+constexpr int kKThreadGroups = 4;    // per-thread K groups per K tile
+
+SAGE_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Number of scale groups over n tokens of Q, and the group of token t.
+SAGE_HD int64_t q_group_count(Granularity g, int64_t n, TileConfig tc) {
+  const int64_t blocks = ceil_div(n, tc.block_q);
+  switch (g) {
+    case Granularity::per_tensor: return 1;
+    case Granularity::per_block: return blocks;
+    case Granularity::per_warp: return blocks * (tc.block_q / kWarpRows);
+    case Granularity::per_thread: return blocks * (tc.block_q / 2);
+    case Granularity::per_token: return n;
+    case Granularity::microscale: return n;  // per-token row; scales run along head_dim
+  }
+  return 0;
+}
+
+SAGE_HD int64_t q_group_of(Granularity g, int64_t t, TileConfig tc) {
+  const int64_t b = t / tc.block_q;
+  const int64_t r = t % tc.block_q;
+  switch (g) {
+    case Granularity::per_tensor: return 0;
+    case Granularity::per_block: return b;
+    case Granularity::per_warp: return b * (tc.block_q / kWarpRows) + r / kWarpRows;
+    case Granularity::per_thread:
+      return b * (tc.block_q / 2) + (r / kWarpRows) * kQThreadGroupRows + r % kQThreadGroupRows;
+    case Granularity::per_token: return t;
+    case Granularity::microscale: return t;
+  }
+  return 0;
+}
+
+SAGE_HD int64_t k_group_count(Granularity g, int64_t n, TileConfig tc) {
+  const int64_t blocks = ceil_div(n, tc.block_kv);
+  switch (g) {
+    case Granularity::per_tensor: return 1;
+    case Granularity::per_block: return blocks;
+    case Granularity::per_warp: return blocks;
+    case Granularity::per_thread: return blocks * kKThreadGroups;
+    case Granularity::per_token: return n;
+    case Granularity::microscale: return n;
+  }
+  return 0;
+}
+
+SAGE_HD int64_t k_group_of(Granularity g, int64_t t, TileConfig tc) {
+  const int64_t b = t / tc.block_kv;
+  const int64_t r = t % tc.block_kv;
+  switch (g) {
+    case Granularity::per_tensor: return 0;
+    case Granularity::per_block: return b;
+    case Granularity::per_warp: return b;
+    case Granularity::per_thread: return b * kKThreadGroups + (r % 8) / 2;
+    case Granularity::per_token: return t;
+    case Granularity::microscale: return t;
+  }
+  return 0;
+}
+
+// Q smoothing subtracts one mean per Q tile: the tile index of token t.
+SAGE_HD int64_t q_smooth_block_of(int64_t t, TileConfig tc) { return t / tc.block_q; }
+
+}  // namespace sage

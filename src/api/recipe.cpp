@@ -1,0 +1,236 @@
+// The papers' configurations as presets over the recipe options, and their validation.
+#include "sage/recipe.h"
+
+#include <sstream>
+
+#include "sage/error.h"
+
+namespace sage {
+namespace {
+
+Recipe make(const char* name, QKFormat qf, Granularity qg, bool sk, bool sq, bool sv, PVFormat pf,
+            PScale ps, VScale vs, PVAccum acc, float p_range = 0.f, float v_range = 0.f,
+            RowSum rs = RowSum::float_p, Inputs in = Inputs::floating) {
+  Recipe r;
+  r.name = name;
+  r.qk_format = qf;
+  r.qk_granularity = qg;
+  r.smooth_k = sk;
+  r.smooth_q = sq;
+  r.smooth_v = sv;
+  r.pv_format = pf;
+  r.p_scale = ps;
+  r.v_scale = vs;
+  r.pv_accum = acc;
+  r.p_range = p_range;
+  r.v_range = v_range;
+  r.row_sum = rs;
+  r.inputs = in;
+  return r;
+}
+
+std::vector<Recipe> build_presets() {
+  using G = Granularity;
+  using Q = QKFormat;
+  using P = PVFormat;
+  std::vector<Recipe> v;
+  // SageAttention (v1): INT8 QK with K smoothing; FP16 PV with an FP16 accumulator (T/B), or
+  // INT8 P (static 1/127) and INT8 V per channel (vT/vB).
+  v.push_back(make("sage1_t", Q::int8, G::per_token, true, false, false, P::fp16, PScale::none,
+                   VScale::none, PVAccum::fp16));
+  v.push_back(make("sage1_b", Q::int8, G::per_block, true, false, false, P::fp16, PScale::none,
+                   VScale::none, PVAccum::fp16));
+  v.push_back(make("sage1_vt", Q::int8, G::per_token, true, false, false, P::int8,
+                   PScale::static_max, VScale::per_channel, PVAccum::fp32));
+  v.push_back(make("sage1_vb", Q::int8, G::per_block, true, false, false, P::int8,
+                   PScale::static_max, VScale::per_channel, PVAccum::fp32));
+  // SageAttention2: per-thread INT8 (or INT4 with Q+K smoothing), FP8 E4M3 P (1/448) and V per
+  // channel, two-level accumulation. sage2_8b is the Hopper default.
+  v.push_back(make("sage2_8b", Q::int8, G::per_thread, true, false, false, P::e4m3,
+                   PScale::static_max, VScale::per_channel, PVAccum::two_level));
+  v.push_back(make("sage2_8b_vsmooth", Q::int8, G::per_thread, true, false, true, P::e4m3,
+                   PScale::static_max, VScale::per_channel, PVAccum::two_level));
+  v.push_back(make("sage2_4b", Q::int4, G::per_thread, true, true, false, P::e4m3,
+                   PScale::static_max, VScale::per_channel, PVAccum::two_level));
+  // SageAttention2++: FP8 PV accumulated in FP16 over two k32 MMAs, then in FP32; P and V
+  // ranges narrowed to Pr = 112, Vr = 4.5 so that 64 products stay inside FP16.
+  v.push_back(make("sage2pp_8b", Q::int8, G::per_thread, true, false, false, P::e4m3,
+                   PScale::static_max, VScale::per_channel, PVAccum::fp16x2_fp32, 112.f, 4.5f));
+  v.push_back(make("sage2pp_4b", Q::int4, G::per_thread, true, true, false, P::e4m3,
+                   PScale::static_max, VScale::per_channel, PVAccum::fp16x2_fp32, 112.f, 4.5f));
+  // SageAttention3: NVFP4 (1x16 groups, E4M3 scales) for both matmuls, two-level P.
+  v.push_back(make("sage3_fp4", Q::nvfp4, G::microscale, true, false, false, P::nvfp4,
+                   PScale::two_level, VScale::microscale, PVAccum::fp32));
+  // INT-FlashAttention: INT8 Q/K per token, INT8 V per tensor, INT8 P with static 1/127 and
+  // the row sum over quantized P. `int_flash` takes already-quantized INT8 inputs;
+  // `int_flash_q` takes fp16/bf16 and quantizes per token first.
+  v.push_back(make("int_flash", Q::int8, G::per_token, false, false, false, P::int8,
+                   PScale::static_max, VScale::per_tensor, PVAccum::fp32, 0.f, 0.f,
+                   RowSum::quantized_p, Inputs::prequantized_int8));
+  v.push_back(make("int_flash_q", Q::int8, G::per_token, false, false, false, P::int8,
+                   PScale::static_max, VScale::per_tensor, PVAccum::fp32, 0.f, 0.f,
+                   RowSum::quantized_p, Inputs::floating));
+  return v;
+}
+
+}  // namespace
+
+const std::vector<Recipe>& presets() {
+  static const std::vector<Recipe> all = build_presets();
+  return all;
+}
+
+const Recipe& preset(const std::string& name) {
+  for (const Recipe& r : presets())
+    if (r.name == name) return r;
+  std::ostringstream os;
+  os << "unknown recipe '" << name << "'; allowed: ";
+  bool first = true;
+  for (const Recipe& r : presets()) {
+    os << (first ? "" : ", ") << r.name;
+    first = false;
+  }
+  throw Error("recipe", os.str());
+}
+
+std::string recipe_paper(const Recipe& r) {
+  const std::string& n = r.name;
+  if (n.rfind("sage1_", 0) == 0) return "SageAttention (ICLR 2025)";
+  if (n.rfind("sage2pp_", 0) == 0) return "SageAttention2++";
+  if (n.rfind("sage2_", 0) == 0) return "SageAttention2 (ICML 2025)";
+  if (n.rfind("sage3_", 0) == 0) return "SageAttention3";
+  if (n.rfind("int_flash", 0) == 0) return "INT-FlashAttention";
+  return "custom";
+}
+
+std::string recipe_summary(const Recipe& r) {
+  std::ostringstream os;
+  os << "QK " << to_string(r.qk_format) << " " << to_string(r.qk_granularity);
+  if (r.smooth_k || r.smooth_q) {
+    os << " (smooth";
+    if (r.smooth_q) os << " Q";
+    if (r.smooth_k) os << " K";
+    os << ")";
+  }
+  os << "; PV " << to_string(r.pv_format);
+  if (r.p_scale != PScale::none) os << ", P " << to_string(r.p_scale);
+  if (r.p_range > 0) os << " to " << r.p_range;
+  if (r.v_scale != VScale::none) os << ", V " << to_string(r.v_scale);
+  if (r.v_range > 0) os << " to " << r.v_range;
+  if (r.smooth_v) os << " (smooth V)";
+  os << "; accumulate " << to_string(r.pv_accum);
+  if (r.row_sum == RowSum::quantized_p) os << "; row sum of quantized P";
+  if (r.inputs == Inputs::prequantized_int8) os << "; prequantized INT8 inputs";
+  return os.str();
+}
+
+void validate_recipe(const Recipe& r) {
+  const bool fp4_qk = r.qk_format == QKFormat::nvfp4 || r.qk_format == QKFormat::mxfp4;
+  if (fp4_qk != (r.qk_granularity == Granularity::microscale))
+    throw Error("recipe.qk_granularity",
+                std::string("microscale goes with qk_format nvfp4/mxfp4 and only with them (got ") +
+                    to_string(r.qk_format) + " with " + to_string(r.qk_granularity) + ")");
+  if (r.qk_format == QKFormat::fp16 && r.qk_granularity != Granularity::per_tensor)
+    throw Error("recipe.qk_granularity", "qk_format fp16 is not quantized; use per_tensor");
+  if (r.smooth_q && !(r.qk_format == QKFormat::int8 || r.qk_format == QKFormat::int4))
+    throw Error("recipe.smooth_q", "Q smoothing is defined for int8/int4 Q/K only");
+  const bool fp4_pv = r.pv_format == PVFormat::nvfp4 || r.pv_format == PVFormat::mxfp4;
+  if (r.pv_format == PVFormat::fp16 &&
+      (r.p_scale != PScale::none || r.v_scale != VScale::none))
+    throw Error("recipe.p_scale", "pv_format fp16 takes p_scale none and v_scale none");
+  if (r.pv_format != PVFormat::fp16 && r.p_scale == PScale::none)
+    throw Error("recipe.p_scale", std::string("pv_format ") + to_string(r.pv_format) +
+                                      " needs p_scale static_max or two_level");
+  if (r.p_scale == PScale::two_level && !fp4_pv)
+    throw Error("recipe.p_scale", "two_level P scaling is defined for nvfp4/mxfp4 P only");
+  if (fp4_pv != (r.v_scale == VScale::microscale))
+    throw Error("recipe.v_scale", "microscale V goes with pv_format nvfp4/mxfp4 and only with them");
+  if (r.pv_format != PVFormat::fp16 && r.v_scale == VScale::none)
+    throw Error("recipe.v_scale", std::string("pv_format ") + to_string(r.pv_format) +
+                                      " needs a V scale (per_channel, per_tensor or microscale)");
+  const bool fp8_pv = r.pv_format == PVFormat::e4m3 || r.pv_format == PVFormat::e5m2;
+  if ((r.pv_accum == PVAccum::fp22 || r.pv_accum == PVAccum::two_level ||
+       r.pv_accum == PVAccum::fp16x2_fp32) && !fp8_pv)
+    throw Error("recipe.pv_accum", std::string(to_string(r.pv_accum)) +
+                                       " accumulation models the FP8 MMA and needs pv_format e4m3/e5m2");
+  if (r.pv_accum == PVAccum::fp16 && r.pv_format != PVFormat::fp16)
+    throw Error("recipe.pv_accum", "fp16 accumulation is defined for pv_format fp16 only");
+  if (r.p_range < 0 || r.v_range < 0)
+    throw Error("recipe.p_range", "p_range and v_range must be >= 0 (0 means the format max)");
+  if ((r.p_range > 0 || r.v_range > 0) && !(fp8_pv || r.pv_format == PVFormat::int8))
+    throw Error("recipe.p_range", "narrowed ranges apply to fp8/int8 P and V only");
+  if (r.inputs == Inputs::prequantized_int8 &&
+      !(r.qk_format == QKFormat::int8 && r.qk_granularity == Granularity::per_token &&
+        r.pv_format == PVFormat::int8 && !r.smooth_k && !r.smooth_q && !r.smooth_v))
+    throw Error("recipe.inputs",
+                "prequantized_int8 inputs need int8 per_token Q/K, int8 PV and no smoothing");
+}
+
+const char* to_string(QKFormat v) {
+  switch (v) {
+    case QKFormat::fp16: return "fp16";
+    case QKFormat::int8: return "int8";
+    case QKFormat::int4: return "int4";
+    case QKFormat::e4m3: return "e4m3";
+    case QKFormat::nvfp4: return "nvfp4";
+    case QKFormat::mxfp4: return "mxfp4";
+  }
+  return "?";
+}
+const char* to_string(Granularity v) {
+  switch (v) {
+    case Granularity::per_tensor: return "per_tensor";
+    case Granularity::per_block: return "per_block";
+    case Granularity::per_warp: return "per_warp";
+    case Granularity::per_thread: return "per_thread";
+    case Granularity::per_token: return "per_token";
+    case Granularity::microscale: return "microscale";
+  }
+  return "?";
+}
+const char* to_string(PVFormat v) {
+  switch (v) {
+    case PVFormat::fp16: return "fp16";
+    case PVFormat::e4m3: return "e4m3";
+    case PVFormat::e5m2: return "e5m2";
+    case PVFormat::int8: return "int8";
+    case PVFormat::nvfp4: return "nvfp4";
+    case PVFormat::mxfp4: return "mxfp4";
+  }
+  return "?";
+}
+const char* to_string(PScale v) {
+  switch (v) {
+    case PScale::none: return "none";
+    case PScale::static_max: return "static";
+    case PScale::two_level: return "two_level";
+  }
+  return "?";
+}
+const char* to_string(VScale v) {
+  switch (v) {
+    case VScale::none: return "none";
+    case VScale::per_channel: return "per_channel";
+    case VScale::per_tensor: return "per_tensor";
+    case VScale::microscale: return "microscale";
+  }
+  return "?";
+}
+const char* to_string(PVAccum v) {
+  switch (v) {
+    case PVAccum::fp32: return "fp32";
+    case PVAccum::fp16: return "fp16";
+    case PVAccum::fp22: return "fp22";
+    case PVAccum::two_level: return "two_level";
+    case PVAccum::fp16x2_fp32: return "fp16x2_fp32";
+  }
+  return "?";
+}
+const char* to_string(RowSum v) {
+  return v == RowSum::float_p ? "float_p" : "quantized_p";
+}
+const char* to_string(Inputs v) {
+  return v == Inputs::floating ? "floating" : "prequantized_int8";
+}
+
+}  // namespace sage
