@@ -15,6 +15,8 @@
 // and its LSE is -inf.
 #pragma once
 
+#include <cstdint>
+
 #include <cstddef>
 #include <optional>
 

@@ -6,6 +6,7 @@
 // a preset means exactly the same numerics everywhere.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 

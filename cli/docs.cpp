@@ -1,0 +1,360 @@
+// `sage docs`: writes docs/recipes.md from the presets, the simulator and bench results.
+//
+// Everything in the page is computed here, so the page cannot drift from the code: the
+// options come from presets(), the error from simulate() vs exact() at a fixed size and seed
+// (so regenerating gives the same bytes), the speed from a bench result file when present.
+#include <cmath>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <sstream>
+
+#include "accuracy.h"
+#include "common.h"
+#include "recipe_text.h"
+#include "sage/recipe.h"
+#include "sage/tile.h"
+
+namespace sage::cli {
+namespace {
+
+// The documented size of the error tables: large enough for several KV blocks and Q tiles
+// (128 tokens each), small enough that all presets on all distributions take well under two
+// minutes on two cores.
+CheckShape docs_shape() {
+  CheckShape s;
+  s.batch = 1;
+  s.heads = 2;
+  s.kv_heads = 2;
+  s.n = 1024;
+  s.d = 128;
+  s.causal = false;
+  s.seed = 0;
+  return s;
+}
+
+// Group sizes are read off tile.h (at the documented head dim), so the words follow the
+// kernel's tile configuration if it changes.
+std::string qk_words(const Recipe& r, int head_dim) {
+  const TileConfig tc = tile_config(head_dim);
+  std::ostringstream os;
+  switch (r.qk_format) {
+    case QKFormat::fp16: os << "Q and K stay fp16 (not quantized)"; break;
+    case QKFormat::int8: os << "Q and K are quantized to symmetric INT8 ([-127, 127])"; break;
+    case QKFormat::int4:
+      os << "Q and K are quantized to symmetric INT4 ([-7, 7], multiplied exactly on INT8 tensor "
+            "cores)";
+      break;
+    case QKFormat::e4m3: os << "Q and K are quantized to FP8 E4M3 with a float scale"; break;
+    case QKFormat::nvfp4:
+      os << "Q and K are quantized to NVFP4: E2M1 values with one E4M3 scale per 16 consecutive "
+            "channels";
+      break;
+    case QKFormat::mxfp4:
+      os << "Q and K are quantized to MXFP4: E2M1 values with one E8M0 scale per 32 channels";
+      break;
+  }
+  switch (r.qk_granularity) {
+    case Granularity::per_tensor: os << ", one scale per (batch, head)"; break;
+    case Granularity::per_block:
+      os << ", one scale per kernel tile (" << tc.block_q << " Q tokens, " << tc.block_kv
+         << " K tokens)";
+      break;
+    case Granularity::per_warp:
+      os << ", one scale per " << kWarpRows << "-row warp slice of a Q tile (K: one per tile)";
+      break;
+    case Granularity::per_thread:
+      os << ", one scale per tensor-core thread's tokens (" << tc.block_q / q_group_count(
+                Granularity::per_thread, tc.block_q, tc)
+         << " Q rows; " << tc.block_kv / k_group_count(Granularity::per_thread, tc.block_kv, tc)
+         << " K tokens of a " << tc.block_kv << "-token tile)";
+      break;
+    case Granularity::per_token: os << ", one scale per token"; break;
+    case Granularity::microscale: break;
+  }
+  os << ".";
+  if (r.smooth_k)
+    os << " K is smoothed: its mean over tokens is subtracted first (exact, since softmax is "
+          "shift-invariant per row).";
+  if (r.smooth_q)
+    os << " Q is smoothed: each Q tile's mean is subtracted, and its product with K is added "
+          "back to the scores.";
+  return os.str();
+}
+
+std::string pv_words(const Recipe& r) {
+  std::ostringstream os;
+  switch (r.pv_format) {
+    case PVFormat::fp16: os << "P and V stay fp16"; break;
+    case PVFormat::e4m3: os << "P and V are quantized to FP8 E4M3"; break;
+    case PVFormat::e5m2: os << "P and V are quantized to FP8 E5M2"; break;
+    case PVFormat::int8: os << "P and V are quantized to INT8"; break;
+    case PVFormat::nvfp4: os << "P and V are quantized to NVFP4 (E2M1, E4M3 scale per 16)"; break;
+    case PVFormat::mxfp4: os << "P and V are quantized to MXFP4 (E2M1, E8M0 scale per 32)"; break;
+  }
+  switch (r.p_scale) {
+    case PScale::none: break;
+    case PScale::static_max:
+      os << "; P (in [0, 1] after the online softmax) is multiplied by a static factor, "
+         << (r.p_range > 0 ? std::to_string(static_cast<int>(r.p_range)) + " (a narrowed range)"
+                           : std::string("the format's maximum"));
+      break;
+    case PScale::two_level:
+      os << "; P gets a per-row scale to 448 x 6 first, then FP4 microscaling (two levels)";
+      break;
+  }
+  switch (r.v_scale) {
+    case VScale::none: break;
+    case VScale::per_channel: os << "; V has one scale per channel over all tokens"; break;
+    case VScale::per_tensor: os << "; V has one scale per (batch, head)"; break;
+    case VScale::microscale: os << "; V is microscaled along tokens"; break;
+  }
+  if (r.v_range > 0) {
+    std::ostringstream vr;
+    vr << r.v_range;
+    os << ", mapped to [-" << vr.str() << ", " << vr.str() << "]";
+  }
+  os << ".";
+  if (r.smooth_v) os << " V is smoothed: its mean over tokens is subtracted and added to the output.";
+  return os.str();
+}
+
+std::string accum_words(const Recipe& r) {
+  switch (r.pv_accum) {
+    case PVAccum::fp32: return "PV products accumulate in fp32.";
+    case PVAccum::fp16: return "PV products accumulate in an fp16 accumulator.";
+    case PVAccum::fp22:
+      return "PV products accumulate in the FP8 MMA's internal accumulator (13 mantissa bits) over "
+             "the whole row.";
+    case PVAccum::two_level:
+      return "PV products accumulate in the FP8 MMA's internal accumulator within one KV block, "
+             "then into an fp32 buffer (two-level accumulation).";
+    case PVAccum::fp16x2_fp32:
+      return "Two FP8 MMAs accumulate in fp16, then their sum is added into fp32.";
+  }
+  return "";
+}
+
+// ---- GPU speed from a bench result file ---------------------------------------------------
+
+struct SpeedPoint {
+  std::string impl, recipe, dtype, device;
+  double tops = NAN;
+};
+
+void collect(const Json& j, std::vector<const Json*>& out) {
+  if (j.kind == Json::object) {
+    if (j.get("tops") && j.get("d") && j.get("n")) {
+      out.push_back(&j);
+      return;
+    }
+    for (const auto& m : j.members) collect(m.second, out);
+  } else if (j.kind == Json::array) {
+    for (const auto& i : j.items) collect(i, out);
+  }
+}
+
+bool is_false(const Json* j) {
+  if (!j) return false;
+  if (j->kind == Json::boolean) return !j->b;
+  if (j->kind == Json::number) return j->num == 0;
+  if (j->kind == Json::string) return j->str == "no" || j->str == "false" || j->str == "0";
+  return false;
+}
+
+std::string text(const Json* j) { return j && j->kind == Json::string ? j->str : ""; }
+
+// The records at d = 128, non-causal, N = 16K; fp16 ones win over others of the same
+// implementation and recipe.
+std::vector<SpeedPoint> read_speed(const std::string& path, std::string* problem) {
+  std::ifstream f(path);
+  if (!f) return {};
+  std::stringstream ss;
+  ss << f.rdbuf();
+  Json doc;
+  try {
+    doc = parse_json(ss.str());
+  } catch (const std::exception& e) {
+    *problem = e.what();
+    return {};
+  }
+  std::vector<const Json*> recs;
+  collect(doc, recs);
+  std::map<std::pair<std::string, std::string>, SpeedPoint> best;
+  for (const Json* r : recs) {
+    const Json *d = r->get("d"), *n = r->get("n"), *t = r->get("tops");
+    if (!d || d->kind != Json::number || d->num != 128) continue;
+    if (!n || n->kind != Json::number || n->num != 16384) continue;
+    if (!is_false(r->get("causal"))) continue;
+    if (!t || t->kind != Json::number) continue;
+    SpeedPoint p;
+    p.impl = r->get("impl") ? text(r->get("impl")) : "sagekit";
+    p.recipe = text(r->get("recipe"));
+    p.dtype = text(r->get("dtype"));
+    p.device = text(r->get("device"));
+    p.tops = t->num;
+    const auto key = std::make_pair(p.impl, p.recipe);
+    const bool fp16 = p.dtype.empty() || p.dtype == "fp16" || p.dtype == "float16";
+    auto it = best.find(key);
+    if (it == best.end() || (fp16 && !(it->second.dtype.empty() || it->second.dtype == "fp16" ||
+                                       it->second.dtype == "float16")))
+      best[key] = p;
+  }
+  std::vector<SpeedPoint> out;
+  for (auto& kv : best) out.push_back(kv.second);
+  return out;
+}
+
+void write_speed(std::ostream& os, const std::string& bench_path) {
+  os << "## GPU speed\n\n"
+     << "The H100 column is filled from `" << bench_path
+     << "` when that file is present (records with keys `impl`, `recipe`, `d`, `causal`, `n`, "
+        "`tops`, as `sage bench --json` and `bench/` write them): TOPS of the whole call at "
+        "d = 128, non-causal, N = 16K, fp16, 32 heads, batch 2. Regenerate this page after a "
+        "new measurement.\n\n";
+  std::string problem;
+  const std::vector<SpeedPoint> pts = read_speed(bench_path, &problem);
+  std::ifstream probe(bench_path);
+  if (!probe)
+    os << "`" << bench_path << "` does not exist yet, so nothing has been measured.\n\n";
+  else if (!problem.empty())
+    os << "`" << bench_path << "` could not be read (" << problem << ").\n\n";
+  Table t({"preset", "H100 TOPS (d 128, N 16K, non-causal)"}, {false, true});
+  std::string device;
+  for (const Recipe& r : presets()) {
+    std::string cell = "not measured yet";
+    for (const SpeedPoint& p : pts)
+      if (p.impl == "sagekit" && p.recipe == r.name) {
+        cell = fixed(p.tops, 1);
+        if (device.empty()) device = p.device;
+      }
+    t.add({r.name, cell});
+  }
+  for (const SpeedPoint& p : pts)
+    if (p.impl != "sagekit")
+      t.add({p.impl + " (baseline" + (p.recipe.empty() ? "" : ", " + p.recipe) + ")",
+             fixed(p.tops, 1)});
+  t.print_markdown(os);
+  if (!device.empty()) os << "\nMeasured on: " << device << ".\n";
+  os << "\n";
+}
+
+}  // namespace
+
+int run_docs(const std::vector<std::string>& args) {
+  Flags flags("sage docs",
+              "Writes the recipe reference page: every preset's options, paper and simulated\n"
+              "error on each synthetic distribution (simulate vs exact at a fixed size and seed),\n"
+              "and the GPU speed section filled from a bench result file when present.",
+              {{"out", "FILE", "where to write (default docs/recipes.md)"},
+               {"bench", "FILE", "bench results to read (default bench/results/h100.json)"}},
+              args);
+  if (flags.help()) {
+    flags.print_help(std::cout);
+    return 0;
+  }
+  const std::string out_path = flags.str("out", "docs/recipes.md");
+  const std::string bench_path = flags.str("bench", "bench/results/h100.json");
+  if (out_path.empty()) throw UsageError("sage docs: --out needs a file name");
+  check_writable("sage docs", out_path);
+
+  const CheckShape shape = docs_shape();
+  const std::vector<std::string>& dists = reference::synthetic_distributions();
+  const std::vector<Recipe>& all = presets();
+
+  // error[recipe][dist]
+  std::vector<std::vector<reference::ErrorStats>> error(all.size(),
+                                                        std::vector<reference::ErrorStats>(dists.size()));
+  Progress progress(static_cast<int>(dists.size() * all.size()), true);
+  for (size_t j = 0; j < dists.size(); ++j) {
+    DistributionCase dc(dists[j], shape);
+    for (size_t i = 0; i < all.size(); ++i) {
+      progress.step(all[i].name + " " + dists[j]);
+      std::vector<uint16_t> sim = dc.simulate(all[i]);
+      error[i][j] = reference::compare(dc.out_view(sim.data(), DType::f16), Layout::HND,
+                                       dc.exact_view(), Layout::HND);
+    }
+  }
+
+  std::ostringstream os;
+  os << "<!-- Generated by `sage docs --out " << out_path
+     << "` (run `bash scripts/gen_docs.sh`); do not edit by hand. -->\n\n"
+     << "# Recipes\n\n"
+     << "A recipe is a point in a small space of choices (Q/K format and scale granularity, "
+        "smoothing, P/V format and scaling, PV accumulation, input kind); the presets below are "
+        "the papers' configurations. The GPU kernels and the CPU simulator read the same "
+        "`sage::Recipe`, so a preset means the same numerics in both. This page is generated by "
+        "`sage docs` from the code: the options from `sage::presets()`, the errors from "
+        "`sage::reference::simulate` against `sage::reference::exact`.\n\n"
+     << "## Presets\n\n";
+  recipe_table(false).print_markdown(os);
+
+  os << "\n## Simulated error\n\n"
+     << "Each preset's own error: `simulate` (the recipe's exact quantization, fp16 output) "
+        "against float64 `exact` attention of the same fp16 inputs, at "
+     << shape.describe()
+     << ". Inputs come from `sage::reference::make_synthetic`; `sage check --device cpu "
+        "--n 1024 --d 128 --heads 2` prints the same numbers with RMSE and max error. "
+        "`int_flash` takes INT8 inputs, made per token (V per tensor) from the same fp16 "
+        "inputs, so its error includes that input quantization.\n\n"
+     << "Distributions:\n\n";
+  for (const std::string& d : dists)
+    os << "- `" << d << "`: " << reference::synthetic_description(d) << "\n";
+
+  std::vector<std::string> header = {"preset"};
+  for (const std::string& d : dists) header.push_back(d);
+  std::vector<bool> right(header.size(), true);
+  right[0] = false;
+  Table cos(header, right), l1(header, right);
+  for (size_t i = 0; i < all.size(); ++i) {
+    std::vector<std::string> rc = {all[i].name}, rl = {all[i].name};
+    for (size_t j = 0; j < dists.size(); ++j) {
+      rc.push_back(fixed(error[i][j].cosine, 6));
+      rl.push_back(fixed(error[i][j].rel_l1, 4));
+    }
+    cos.add(rc);
+    l1.add(rl);
+  }
+  os << "\nCosine similarity (higher is better):\n\n";
+  cos.print_markdown(os);
+  os << "\nRelative L1 error, sum |sim - exact| / sum |exact| (lower is better):\n\n";
+  l1.print_markdown(os);
+  os << "\n";
+
+  write_speed(os, bench_path);
+
+  os << "## Each preset\n\n";
+  for (size_t i = 0; i < all.size(); ++i) {
+    const Recipe& r = all[i];
+    os << "### " << r.name << (is_default_recipe(r) ? " (default)" : "") << "\n\n"
+       << "From " << recipe_paper(r) << ". " << recipe_summary(r) << ".\n\n"
+       << "- QK: " << qk_words(r, static_cast<int>(shape.d)) << "\n"
+       << "- PV: " << pv_words(r) << "\n"
+       << "- Accumulation: " << accum_words(r) << "\n"
+       << "- Softmax denominator: "
+       << (r.row_sum == RowSum::quantized_p ? "the sum of the quantized P."
+                                            : "the sum of the unquantized P.")
+       << "\n"
+       << "- Inputs: "
+       << (r.inputs == Inputs::prequantized_int8
+               ? "already-quantized INT8 Q, K, V with f32 scales (Q, K per token; V per tensor or "
+                 "per channel)."
+               : "fp16 or bf16 Q, K, V, quantized by the library.")
+       << "\n\n";
+    Table t({"distribution", "cosine", "rel L1"}, {false, true, true});
+    for (size_t j = 0; j < dists.size(); ++j)
+      t.add({dists[j], fixed(error[i][j].cosine, 6), fixed(error[i][j].rel_l1, 4)});
+    t.print_markdown(os);
+    os << "\n";
+  }
+
+  std::ofstream f(out_path);
+  if (!f) throw UsageError("sage docs: --out " + out_path + " cannot be opened for writing");
+  f << os.str();
+  if (!f) throw UsageError("sage docs: --out " + out_path + " could not be written completely");
+  std::cout << "wrote " << out_path << " (" << all.size() << " presets x " << dists.size()
+            << " distributions, " << fixed(progress.elapsed_s(), 1) << " s)\n";
+  return 0;
+}
+
+}  // namespace sage::cli

@@ -1,0 +1,45 @@
+"""sagekit: quantized attention (the SageAttention family) from a C++/CUDA library.
+
+Works with NumPy alone (the CPU references: simulate, exact) and, when torch is
+installed, adds the GPU front end (sageattn, scaled_dot_product_attention, patch_sdpa)
+built on the custom ops in sagekit.ops (torch.ops.sagekit.*).
+"""
+
+from . import _C
+from ._C import ArgumentError, CudaError, gpu_available, gpu_head_dims
+from ._recipes import presets, recipe
+from .reference import exact, simulate
+
+__version__ = _C.__version__
+cuda_built: bool = _C.cuda_built
+"""Whether this build has the GPU kernels (False for a SAGE_CUDA=OFF build)."""
+
+try:
+    import torch as _torch  # noqa: F401
+except ImportError:
+    _torch = None
+
+if _torch is not None:
+    from . import ops
+    from .attention import SdpaPatch, patch_sdpa, sageattn, scaled_dot_product_attention
+else:
+    ops = None
+
+    def _needs_torch(name):
+        def missing(*args, **kwargs):
+            raise ImportError(f"sagekit.{name} needs torch, which is not installed "
+                              "(pip install torch); the CPU references simulate/exact work "
+                              "with NumPy alone")
+        missing.__name__ = name
+        return missing
+
+    sageattn = _needs_torch("sageattn")
+    scaled_dot_product_attention = _needs_torch("scaled_dot_product_attention")
+    patch_sdpa = _needs_torch("patch_sdpa")
+    SdpaPatch = None
+
+__all__ = [
+    "ArgumentError", "CudaError", "SdpaPatch", "cuda_built", "exact", "gpu_available",
+    "gpu_head_dims", "ops", "patch_sdpa", "presets", "recipe", "sageattn",
+    "scaled_dot_product_attention", "simulate",
+]

@@ -1,0 +1,139 @@
+"""The CPU references on NumPy arrays or CPU torch tensors.
+
+`simulate` computes a recipe with exactly the GPU kernel's quantization (same scales,
+rounding, encodings, accumulators), so it shows what a recipe does to your tensors on a
+machine without the GPU. `exact` is attention in float64. Both return float32 outputs of
+the same kind as their inputs (NumPy in, NumPy out; torch in, torch out).
+"""
+
+import numbers
+import sys
+from typing import Any, Optional, Tuple
+
+from . import _C
+from ._errors import argument_error
+from ._recipes import RecipeLike
+
+
+def _torch():
+    # torch is never imported here: if the caller has a torch tensor, torch is loaded.
+    return sys.modules.get("torch")
+
+
+def _is_torch(x: Any) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _is_numpy(x: Any) -> bool:
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(x, np.ndarray)
+
+
+def _layout(layout: Any) -> str:
+    if not isinstance(layout, str) or layout.upper() not in ("HND", "NHD"):
+        raise argument_error("layout", "must be 'HND' ([batch, heads, tokens, head_dim]) or "
+                             f"'NHD' ([batch, tokens, heads, head_dim]) (got {layout!r})")
+    return layout.upper()
+
+
+def _lse_shape(shape: Tuple[int, ...], layout: str) -> Tuple[int, int, int]:
+    if layout == "HND":
+        return (shape[0], shape[1], shape[2])
+    return (shape[0], shape[2], shape[1])
+
+
+def dlpack_capsule(t: Any) -> Any:
+    """A torch tensor as a DLPack capsule, exported without any stream synchronization.
+
+    Tensor.__dlpack__() (which nanobind would call) makes the legacy default stream wait on
+    the current one in recent torch releases; that is an extra dependency outside CUDA
+    graphs and an error inside a capture. The capsule exporter does no stream work.
+    """
+    torch = _torch()
+    export = getattr(torch._C, "_to_dlpack", None) or torch.utils.dlpack.to_dlpack
+    return export(t)
+
+
+def _host_capsule(t: Any, name: str) -> Any:
+    """A CPU torch tensor as a DLPack capsule (nanobind reads NumPy arrays directly)."""
+    if t.device.type != "cpu":
+        raise argument_error(name, f"must be on the CPU for simulate/exact (got a tensor on "
+                             f"{t.device}; use .cpu(), or sagekit.sageattn on the GPU)")
+    return dlpack_capsule(t.detach())
+
+
+def _run(fn, q, k, v, recipe, is_causal, scale, layout, return_lse, q_scale, k_scale, v_scale):
+    layout = _layout(layout)
+    if not isinstance(is_causal, bool):
+        raise argument_error("is_causal", f"must be a bool (got {type(is_causal).__name__})")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise argument_error("scale", f"must be a float or None (got {type(scale).__name__})")
+    if _is_torch(q):
+        kind = "torch"
+    elif _is_numpy(q):
+        kind = "numpy"
+    else:
+        raise argument_error("q", "must be a NumPy array or a CPU torch tensor "
+                             f"(got {type(q).__name__})")
+    named = {"q": q, "k": k, "v": v, "q_scale": q_scale, "k_scale": k_scale, "v_scale": v_scale}
+    for name, x in named.items():
+        if x is None and name.endswith("_scale"):
+            continue
+        same_kind = _is_torch(x) if kind == "torch" else _is_numpy(x)
+        if not same_kind:
+            raise argument_error(name, f"must be a {'torch tensor' if kind == 'torch' else 'NumPy array'} "
+                                 f"like q (got {type(x).__name__})")
+    if q.ndim != 4:
+        raise argument_error("q", f"must have 4 dimensions ({'[batch, heads, tokens, head_dim]' if layout == 'HND' else '[batch, tokens, heads, head_dim]'}, "
+                             f"layout {layout}) (got {q.ndim})")
+    shape = tuple(int(s) for s in q.shape)
+    if kind == "torch":
+        torch = _torch()
+        out = torch.empty(shape, dtype=torch.float32)
+        lse = torch.empty(_lse_shape(shape, layout), dtype=torch.float32) if return_lse else None
+        conv = {n: (None if x is None else _host_capsule(x, n)) for n, x in named.items()}
+        out_arg = dlpack_capsule(out)
+        lse_arg = None if lse is None else dlpack_capsule(lse)
+    else:
+        import numpy as np
+
+        out = np.empty(shape, dtype=np.float32)
+        lse = np.empty(_lse_shape(shape, layout), dtype=np.float32) if return_lse else None
+        conv, out_arg, lse_arg = named, out, lse
+    fn(conv["q"], conv["k"], conv["v"], out_arg, lse_arg, layout=layout, causal=is_causal,
+       sm_scale=None if scale is None else float(scale), recipe=recipe,
+       q_scale=conv["q_scale"], k_scale=conv["k_scale"], v_scale=conv["v_scale"])
+    return (out, lse) if return_lse else out
+
+
+def simulate(q, k, v, recipe: RecipeLike = "sage2_8b", is_causal: bool = False,
+             scale: Optional[float] = None, layout: str = "HND", return_lse: bool = False,
+             q_scale=None, k_scale=None, v_scale=None):
+    """The recipe on the CPU, bit for bit the GPU kernel's quantization.
+
+    q, k, v: NumPy arrays or CPU torch tensors, float16/bfloat16 (int8 with q_scale,
+    k_scale, v_scale for prequantized recipes), [B, H, N, D] ("HND") or [B, N, H, D]
+    ("NHD"); heads of q a multiple of heads of k/v (GQA). recipe: a preset name, a spec
+    string or a dict of options ("auto" means sage2_8b, the Hopper default the simulator
+    models). Returns a float32 output of q's shape (and the float32 natural-log LSE,
+    [B, H, N], with return_lse=True), as NumPy or torch like the inputs.
+    """
+    if isinstance(recipe, str) and recipe == "auto":
+        recipe = "sage2_8b"
+    return _run(_C.simulate, q, k, v, recipe, is_causal, scale, layout, return_lse,
+                q_scale, k_scale, v_scale)
+
+
+def exact(q, k, v, is_causal: bool = False, scale: Optional[float] = None, layout: str = "HND",
+          return_lse: bool = False, recipe: Optional[RecipeLike] = None,
+          q_scale=None, k_scale=None, v_scale=None):
+    """Attention in float64 on the CPU, returned as float32 (same arguments as simulate).
+
+    The recipe only says how to read prequantized inputs: it defaults to "int_flash" when
+    q_scale is given and to "sage2_8b" (plain fp16/bf16 inputs) otherwise.
+    """
+    if recipe is None or (isinstance(recipe, str) and recipe == "auto"):
+        recipe = "int_flash" if q_scale is not None else "sage2_8b"
+    return _run(_C.exact, q, k, v, recipe, is_causal, scale, layout, return_lse,
+                q_scale, k_scale, v_scale)

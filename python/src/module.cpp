@@ -1,0 +1,302 @@
+// sagekit._C: the library's public entry points for Python.
+//
+// Tensors arrive through DLPack (nanobind's nb::ndarray), so the extension needs neither
+// torch nor NumPy at build time and accepts both, on the CPU or on CUDA. Allocation stays
+// with the caller, as in the C++ API: outputs are passed in, and the GPU workspace is
+// either an array or a callable that allocates it (the torch layer passes the caching
+// allocator, so nothing here calls cudaMalloc or synchronizes).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cctype>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "recipes.h"
+#include "sage/attention.h"
+#include "sage/error.h"
+#include "views.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace sagepy {
+namespace {
+
+sage::Layout layout_of(const std::string& s) {
+  std::string u;
+  for (char c : s) u += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  if (u == "HND") return sage::Layout::HND;
+  if (u == "NHD") return sage::Layout::NHD;
+  throw sage::Error("layout", "must be 'HND' ([batch, heads, tokens, head_dim]) or 'NHD' "
+                              "([batch, tokens, heads, head_dim]) (got '" + s + "')");
+}
+
+// The arguments every entry point shares, imported once.
+struct Call {
+  ViewSet arrays;
+  sage::AttentionArgs args;
+};
+
+void fill(Call& c, nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+          const std::string& layout, bool causal, std::optional<double> sm_scale,
+          nb::handle recipe, nb::handle q_scale, nb::handle k_scale, nb::handle v_scale) {
+  sage::AttentionArgs& a = c.args;
+  a.layout = layout_of(layout);
+  a.causal = causal;
+  if (sm_scale) a.sm_scale = static_cast<float>(*sm_scale);
+  a.recipe = recipe_from(recipe);
+  a.q = c.arrays.input(q, "q");
+  a.k = c.arrays.input(k, "k");
+  a.v = c.arrays.input(v, "v");
+  if (out.is_none()) throw sage::Error("out", "is required (an array of q's shape to write into)");
+  a.out = c.arrays.output(out, "out");
+  a.lse = c.arrays.output(lse, "lse");
+  a.q_scale = c.arrays.input(q_scale, "q_scale");
+  a.k_scale = c.arrays.input(k_scale, "k_scale");
+  a.v_scale = c.arrays.input(v_scale, "v_scale");
+}
+
+// The references dereference every pointer on the host, so device memory must not reach
+// them even if a later check were to miss it.
+void require_host(const sage::AttentionArgs& a) {
+  const std::pair<const sage::TensorView*, const char*> all[] = {
+      {&a.q, "q"},     {&a.k, "k"},       {&a.v, "v"},       {&a.out, "out"},
+      {&a.lse, "lse"}, {&a.q_scale, "q_scale"}, {&a.k_scale, "k_scale"}, {&a.v_scale, "v_scale"}};
+  for (const auto& [view, name] : all)
+    if (view->defined() && view->device.kind != sage::DeviceKind::cpu)
+      throw sage::Error(name, "must be in host memory for the CPU references (got " +
+                                  sage::device_name(view->device) + ")");
+}
+
+nb::dict problem_dict(const sage::Problem& p) {
+  nb::dict d;
+  d["batch"] = p.batch;
+  d["heads_q"] = p.heads_q;
+  d["heads_kv"] = p.heads_kv;
+  d["n_q"] = p.n_q;
+  d["n_kv"] = p.n_kv;
+  d["head_dim"] = p.head_dim;
+  d["sm_scale"] = p.sm_scale;
+  return d;
+}
+
+std::vector<int> parse_head_dims(const char* s) {
+  std::vector<int> dims;
+  int cur = -1;
+  for (const char* p = s ? s : ""; ; ++p) {
+    if (*p >= '0' && *p <= '9') {
+      cur = (cur < 0 ? 0 : cur * 10) + (*p - '0');
+    } else {
+      if (cur >= 0) dims.push_back(cur);
+      cur = -1;
+      if (!*p) break;
+    }
+  }
+  return dims;
+}
+
+PyObject* g_argument_error = nullptr;
+PyObject* g_cuda_error = nullptr;
+
+}  // namespace
+}  // namespace sagepy
+
+NB_MODULE(_C, m) {
+  using namespace sagepy;
+  m.doc() = "sagekit's C++ library (quantized attention) bound through DLPack.";
+
+  // sage::Error is a caller's mistake: a ValueError that also carries the argument's name,
+  // so code can react to it without parsing the message.
+  g_argument_error = PyErr_NewExceptionWithDoc(
+      "sagekit._C.ArgumentError",
+      "A bad argument: a ValueError whose `argument` attribute names it (e.g. 'q', "
+      "'recipe.pv_accum') and whose message is the library's one-sentence explanation.",
+      PyExc_ValueError, nullptr);
+  g_cuda_error = PyErr_NewExceptionWithDoc(
+      "sagekit._C.CudaError", "A failure reported by the CUDA runtime or driver.",
+      PyExc_RuntimeError, nullptr);
+  m.attr("ArgumentError") = nb::handle(g_argument_error);
+  m.attr("CudaError") = nb::handle(g_cuda_error);
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const sage::Error& e) {
+      PyObject* exc = PyObject_CallFunction(g_argument_error, "s", e.what());
+      if (!exc) return;  // the failed call already set a Python error
+      PyObject* name = PyUnicode_FromString(e.argument().c_str());
+      if (name) {
+        PyObject_SetAttrString(exc, "argument", name);
+        Py_DECREF(name);
+      }
+      PyErr_SetObject(g_argument_error, exc);
+      Py_DECREF(exc);
+    } catch (const sage::CudaError& e) {
+      PyErr_SetString(g_cuda_error, e.what());
+    }
+  });
+
+#if defined(SAGE_WITH_CUDA)
+  m.attr("cuda_built") = true;
+#else
+  m.attr("cuda_built") = false;
+#endif
+#if defined(SAGEKIT_VERSION)
+  m.attr("__version__") = SAGEKIT_VERSION;
+#endif
+
+  const auto common_doc =
+      "q, k, v: [batch, heads, tokens, head_dim] (HND) or [batch, tokens, heads, head_dim] "
+      "(NHD) arrays; out: q's shape, written; lse: optional [batch, heads_q, n_q] float32, "
+      "written; recipe: a preset name, a spec string ('sage2_8b,pv_accum=fp32') or a dict of "
+      "options; q_scale/k_scale/v_scale: float32 scales for prequantized INT8 inputs.";
+
+  m.def(
+      "attention",
+      [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+         const std::string& layout, bool causal, std::optional<double> sm_scale,
+         nb::handle recipe, nb::handle workspace, uintptr_t stream, nb::handle q_scale,
+         nb::handle k_scale, nb::handle v_scale) {
+        Call c;
+        fill(c, q, k, v, out, lse, layout, causal, sm_scale, recipe, q_scale, k_scale, v_scale);
+        const size_t need = sage::workspace_bytes(c.args);
+        void* ws = nullptr;
+        size_t ws_size = 0;
+        nb::object allocated;  // keeps an allocator's buffer alive until the launch is queued
+        if (need > 0) {
+          nb::handle buffer = workspace;
+          if (workspace.is_none())
+            throw sage::Error("workspace", "these arguments need " + std::to_string(need) +
+                                               " bytes of device workspace; pass a buffer or "
+                                               "an allocator callable(nbytes)");
+          if (PyCallable_Check(workspace.ptr())) {
+            allocated = workspace(need);
+            buffer = allocated;
+          }
+          sage::Device dev;
+          ws = c.arrays.bytes(buffer, "workspace", &ws_size, &dev);
+          if (dev != c.args.q.device)
+            throw sage::Error("workspace", "must be on q's device " +
+                                               sage::device_name(c.args.q.device) + " (got " +
+                                               sage::device_name(dev) + ")");
+          if (ws_size < need)
+            throw sage::Error("workspace", "needs at least " + std::to_string(need) +
+                                               " bytes (got " + std::to_string(ws_size) + ")");
+        }
+        nb::gil_scoped_release unlocked;
+        sage::attention(c.args, ws, ws_size, reinterpret_cast<void*>(stream));
+      },
+      "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none() = nb::none(), "layout"_a = "HND", "causal"_a = false,
+      "sm_scale"_a = nb::none(), "recipe"_a.none() = "sage2_8b", "workspace"_a.none() = nb::none(),
+      "stream"_a = 0, "q_scale"_a.none() = nb::none(), "k_scale"_a.none() = nb::none(),
+      "v_scale"_a.none() = nb::none(),
+      (std::string("Quantized attention on the GPU, enqueued on `stream` (a cudaStream_t as "
+                   "an int; 0 is the legacy default stream). Returns once enqueued. workspace: "
+                   "a contiguous device buffer of at least workspace_bytes(...) bytes, or a "
+                   "callable(nbytes) returning one. ") +
+       common_doc)
+          .c_str());
+
+  m.def(
+      "workspace_bytes",
+      [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+         const std::string& layout, bool causal, std::optional<double> sm_scale,
+         nb::handle recipe, nb::handle q_scale, nb::handle k_scale, nb::handle v_scale) {
+        Call c;
+        fill(c, q, k, v, out, lse, layout, causal, sm_scale, recipe, q_scale, k_scale, v_scale);
+        return sage::workspace_bytes(c.args);
+      },
+      "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none() = nb::none(), "layout"_a = "HND", "causal"_a = false,
+      "sm_scale"_a = nb::none(), "recipe"_a.none() = "sage2_8b", "q_scale"_a.none() = nb::none(),
+      "k_scale"_a.none() = nb::none(), "v_scale"_a.none() = nb::none(),
+      (std::string("Bytes of device workspace attention() needs for these arguments. ") +
+       common_doc)
+          .c_str());
+
+  m.def(
+      "simulate",
+      [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+         const std::string& layout, bool causal, std::optional<double> sm_scale,
+         nb::handle recipe, nb::handle q_scale, nb::handle k_scale, nb::handle v_scale) {
+        Call c;
+        fill(c, q, k, v, out, lse, layout, causal, sm_scale, recipe, q_scale, k_scale, v_scale);
+        require_host(c.args);
+        nb::gil_scoped_release unlocked;
+        sage::reference::simulate(c.args);
+      },
+      "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none() = nb::none(), "layout"_a = "HND", "causal"_a = false,
+      "sm_scale"_a = nb::none(), "recipe"_a.none() = "sage2_8b", "q_scale"_a.none() = nb::none(),
+      "k_scale"_a.none() = nb::none(), "v_scale"_a.none() = nb::none(),
+      (std::string("The recipe computed on the CPU with exactly the GPU kernel's quantization; "
+                   "host arrays only. ") +
+       common_doc)
+          .c_str());
+
+  m.def(
+      "exact",
+      [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+         const std::string& layout, bool causal, std::optional<double> sm_scale,
+         nb::handle recipe, nb::handle q_scale, nb::handle k_scale, nb::handle v_scale) {
+        Call c;
+        fill(c, q, k, v, out, lse, layout, causal, sm_scale, recipe, q_scale, k_scale, v_scale);
+        require_host(c.args);
+        nb::gil_scoped_release unlocked;
+        sage::reference::exact(c.args);
+      },
+      "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none() = nb::none(), "layout"_a = "HND", "causal"_a = false,
+      "sm_scale"_a = nb::none(), "recipe"_a.none() = "sage2_8b", "q_scale"_a.none() = nb::none(),
+      "k_scale"_a.none() = nb::none(), "v_scale"_a.none() = nb::none(),
+      (std::string("Attention in float64 on the CPU (the recipe only matters for prequantized "
+                   "inputs); host arrays only. ") +
+       common_doc)
+          .c_str());
+
+  m.def(
+      "check_args",
+      [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+         const std::string& layout, bool causal, std::optional<double> sm_scale,
+         nb::handle recipe, nb::handle q_scale, nb::handle k_scale, nb::handle v_scale,
+         const std::string& device) {
+        Call c;
+        fill(c, q, k, v, out, lse, layout, causal, sm_scale, recipe, q_scale, k_scale, v_scale);
+        sage::DeviceKind kind;
+        if (device == "cuda") kind = sage::DeviceKind::cuda;
+        else if (device == "cpu") kind = sage::DeviceKind::cpu;
+        else throw sage::Error("device", "must be 'cuda' or 'cpu' (got '" + device + "')");
+        return problem_dict(sage::check_args(c.args, kind));
+      },
+      "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none() = nb::none(), "layout"_a = "HND", "causal"_a = false,
+      "sm_scale"_a = nb::none(), "recipe"_a.none() = "sage2_8b", "q_scale"_a.none() = nb::none(),
+      "k_scale"_a.none() = nb::none(), "v_scale"_a.none() = nb::none(), "device"_a = "cuda",
+      "Checks the arguments as the entry points do (device 'cuda' or 'cpu') and returns the "
+      "problem's shape as a dict; raises ArgumentError naming the first bad argument.");
+
+  m.def(
+      "presets",
+      []() {
+        nb::list l;
+        for (const sage::Recipe& r : sage::presets()) l.append(recipe_to_dict(r));
+        return l;
+      },
+      "The papers' configurations: one dict per preset with name, paper, summary and every "
+      "recipe option.");
+  m.def(
+      "resolve_recipe", [](nb::handle spec) { return recipe_to_dict(recipe_from(spec)); },
+      "spec"_a.none(),
+      "Validates a recipe (preset name, spec string or dict of options) and returns all its "
+      "options as a dict.");
+  m.def(
+      "recipe_spec", [](nb::handle spec) { return recipe_to_spec(recipe_from(spec)); },
+      "spec"_a.none(),
+      "The canonical spec string of a recipe: a plain str that names every option.");
+  m.def("gpu_available", &sage::gpu_available,
+        "True when this build has GPU kernels and a device of compute capability 9.0 is "
+        "present.");
+  m.def(
+      "gpu_head_dims", []() { return parse_head_dims(sage::gpu_head_dims()); },
+      "The head dims this build instantiated GPU kernels for (empty without CUDA).");
+}

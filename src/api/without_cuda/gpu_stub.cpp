@@ -1,0 +1,27 @@
+// The GPU entry points of a CPU-only build (configured with SAGE_CUDA=OFF).
+//
+// They exist so that programs and bindings link against either build; a call explains why
+// it cannot run instead of failing at link time or silently computing on the CPU.
+#include "sage/attention.h"
+#include "sage/error.h"
+
+namespace sage {
+namespace {
+
+[[noreturn]] void no_cuda() {
+  throw Error("device",
+              "this build has no CUDA kernels (configured with SAGE_CUDA=OFF); rebuild with "
+              "SAGE_CUDA=ON on a machine with nvcc");
+}
+
+}  // namespace
+
+size_t workspace_bytes(const AttentionArgs&) { no_cuda(); }
+
+void attention(const AttentionArgs&, void*, size_t, void*) { no_cuda(); }
+
+bool gpu_available() { return false; }
+
+const char* gpu_head_dims() { return ""; }
+
+}  // namespace sage

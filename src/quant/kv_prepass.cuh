@@ -1,0 +1,34 @@
+// The K/V pre-pass: two launches that turn fp16/bf16 K and V into what the attention kernel
+// streams with TMA.
+//
+//   1. kv_stats: per chunk of tokens, per channel: sum/max/min of K and V. Written as
+//      partials (no atomics) so that every run reduces them in the same order and repeated
+//      calls are bit-identical.
+//   2. kv_quantize: one CTA per 128-token tile. Reduces the partials (K mean, V mean and V
+//      channel range), then quantizes the tile: K smoothed and INT8 with the group map of
+//      tile.h; V smoothed, scaled per channel, E4M3, transposed to [D, tokens] with the
+//      token permutation the P register layout needs (see pv_permutation below).
+#pragma once
+
+#include <cstdint>
+
+#include "sm90/kernel_params.h"
+
+namespace sage::quant {
+
+// Position, inside a 32-token slice of the transposed V tile, of token `tok`.
+// The QK accumulator gives a thread the score columns {2t, 2t+1, 8+2t, 9+2t} (+16) of each
+// 32-column slice, while an FP8 A operand must hold K positions {4t..4t+3} (+16). Packing
+// the accumulator in place as the A operand therefore feeds the MMA a permuted token order;
+// storing V with the same permutation makes the product exact with no register shuffles.
+__host__ __device__ constexpr int pv_position_of_token(int tok) {
+  const int half = tok / 16, u = tok % 16;
+  const int t = u < 8 ? u / 2 : (u - 8) / 2;
+  const int i = u < 8 ? u % 2 : 2 + (u - 8) % 2;
+  return 16 * half + 4 * t + i;
+}
+
+template <int D, class T>
+void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream);
+
+}  // namespace sage::quant

@@ -1,0 +1,50 @@
+// The operands of the PV stage: V quantized once per KV head, and the softmax numerator P~
+// quantized tile by tile as the kernel does it. See docs/numerics.md, steps 7-8.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "sage/recipe.h"
+
+namespace sage::reference::sim {
+
+// V of one KV head as the PV matmul consumes it.
+struct VOperand {
+  PVFormat format = PVFormat::fp16;
+  int64_t n = 0, d = 0;
+  std::vector<float> values;         // [n][d]: fp8 / int8 decoded codes (unscaled), fp4
+                                     // dequantized values, or fp16-rounded V
+  std::vector<int8_t> int_codes;     // int8: the codes (the integer MMA path)
+  std::vector<float> channel_scale;  // [d] per_channel / per_tensor (repeated): dequantized
+                                     // V = code * channel_scale[c]; empty when `values` is V
+};
+
+// The largest value of a format (e4m3 448, e5m2 57344, int8 127).
+float format_max(PVFormat f);
+// The static factor P~ is multiplied by (p_range, or the format max).
+float p_static_max(const Recipe& r);
+
+// Quantizes n tokens of a (smoothed) V per the recipe's v_scale. v_range narrows the
+// per-channel / per-tensor target range.
+VOperand quantize_v(const float* v, int64_t n, int64_t d, const Recipe& r);
+
+// Already-quantized INT8 V with a scale per tensor (one value) or per channel (d values).
+VOperand prequantized_v(const float* codes, int64_t n, int64_t d, const double* scale,
+                        bool per_channel);
+
+// One KV tile of one row of P~, quantized.
+struct PTile {
+  std::vector<float> values;     // what enters the MMA, decoded: fp8 / int8 codes (P~ * p_max
+                                 // units), fp16-rounded P~, or fp4 dequantized values (times
+                                 // row_scale gives P~ units)
+  std::vector<int8_t> int_codes; // int8 P: the codes
+  float row_scale = 1.f;         // two-level: the per-row factor sr applied after the MMA
+  float dequantized_sum = 0.f;   // sum of the quantized P in P~ units (RowSum::quantized_p)
+};
+
+// Quantizes the first `count` tokens of a tile (the unmasked ones; the tile starts at a
+// multiple of the KV block, so the 16/32-token microscale groups start at token 0 here).
+void quantize_p(const Recipe& r, const float* p, int64_t count, PTile& out);
+
+}  // namespace sage::reference::sim

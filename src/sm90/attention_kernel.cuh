@@ -1,0 +1,219 @@
+// The sm_90a attention kernel of the 8-bit recipes (SageAttention2-8b and its options):
+// INT8 Q K^T and E4M3 P V on warpgroup MMAs, with two-level accumulation.
+//
+// Warp specialization: warpgroup 0 is the producer (one thread issues TMA loads of the
+// quantized K tile and the transposed V tile into a ring of shared-memory stages, released
+// through mbarriers); warpgroups 1 and 2 are consumers, 64 Q rows each. Register budgets are
+// moved from the producer to the consumers with setmaxnreg.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "common/vec_io.cuh"
+#include "sage/quant_rules.h"
+#include "sm90/fragment.cuh"
+#include "sm90/kernel_params.h"
+#include "sm90/ptx.cuh"
+#include "sm90/q_operand.cuh"
+#include "sm90/softmax.cuh"
+#include "sm90/wgmma_ops.cuh"
+
+namespace sage::sm90 {
+
+#ifndef SAGE_SM90_SETMAXNREG
+#define SAGE_SM90_SETMAXNREG 1
+#endif
+#ifndef SAGE_SM90_STAGES
+#define SAGE_SM90_STAGES 2
+#endif
+constexpr int kStages = SAGE_SM90_STAGES;
+constexpr int kThreads = 384;
+// Registers move from the producer (one thread issuing TMA) to the consumers; without it the
+// consumer path spills at the 168-register launch cap.
+constexpr bool kReallocateRegisters = SAGE_SM90_SETMAXNREG;
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+
+template <int D>
+struct SharedStorage {
+  alignas(1024) int8_t q[2][64 * D];  // one quantized Q tile per consumer warpgroup
+  alignas(1024) int8_t k[kStages][kBlockKV * D];
+  alignas(1024) uint8_t v[kStages][D * kBlockKV];
+  alignas(8) uint64_t full[kStages];
+  alignas(8) uint64_t empty[kStages];
+  float reduce[8];
+};
+
+// How many K/V tiles the Q tile starting at q0 needs (bottom-right causal alignment:
+// row i sees keys j <= i + n_kv - n_q).
+__device__ __forceinline__ int kv_tiles_for(const AttentionParams& p, int q0) {
+  const int all = (p.n_kv + kBlockKV - 1) / kBlockKV;
+  if (!p.causal) return all;
+  const int last_row = min(q0 + kBlockQ, p.n_q) - 1;
+  const int last_key = last_row + p.n_kv - p.n_q;
+  if (last_key < 0) return 0;
+  return min(all, last_key / kBlockKV + 1);
+}
+
+template <int D, class T>
+__global__ void __launch_bounds__(kThreads, 1)
+    attention_kernel(const __grid_constant__ CUtensorMap tma_k,
+                     const __grid_constant__ CUtensorMap tma_v, const AttentionParams p) {
+  extern __shared__ uint8_t smem_raw[];
+  auto& s = *reinterpret_cast<SharedStorage<D>*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+
+  // Causal tiles on the diagonal's far end carry the most work: launch them first.
+  const int q_tile = p.causal ? p.n_q_tiles - 1 - blockIdx.x : blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / (p.heads_q / p.heads_kv);
+  const int q0 = q_tile * kBlockQ;
+  const int n_tiles = kv_tiles_for(p, q0);
+  const int warpgroup = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      mbar_init(&s.full[i], 1);
+      mbar_init(&s.empty[i], 8);  // one arrival per consumer warp
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // ---- producer ------------------------------------------------------------------------
+    if constexpr (kReallocateRegisters) setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x == 0) {
+      prefetch_tma_descriptor(&tma_k);
+      prefetch_tma_descriptor(&tma_v);
+      const int k_row0 = (b * p.heads_kv + hk) * p.n_pad;
+      const int v_row0 = (b * p.heads_kv + hk) * D;
+      constexpr uint32_t kStageBytes = 2 * kBlockKV * D;
+      for (int it = 0; it < n_tiles; ++it) {
+        const int stage = it % kStages;
+        mbar_wait(&s.empty[stage], ((it / kStages) & 1) ^ 1);
+        mbar_expect_tx(&s.full[stage], kStageBytes);
+        tma_load_2d(s.k[stage], &tma_k, &s.full[stage], 0, k_row0 + it * kBlockKV);
+        tma_load_2d(s.v[stage], &tma_v, &s.full[stage], it * kBlockKV, v_row0);
+      }
+    }
+    return;
+  }
+
+  // ---- consumers -------------------------------------------------------------------------
+  if constexpr (kReallocateRegisters) setmaxnreg_inc<kConsumerRegs>();
+  const int cw = warpgroup - 1;                  // consumer warpgroup 0 / 1
+  const int warp = (threadIdx.x / 32) % 4;       // warp inside the warpgroup
+  const int lane = threadIdx.x % 32;
+  const int g = frag::group_of_lane(lane), t = frag::quad_of_lane(lane);
+  const int wg_row0 = q0 + 64 * cw;
+  const int rows[2] = {wg_row0 + 16 * warp + g, wg_row0 + 16 * warp + g + 8};
+  const int causal_offset = p.n_kv - p.n_q;
+  const int64_t kv_head = (int64_t)b * p.heads_kv + hk;
+
+  const T* q_head = static_cast<const T*>(p.q) + b * p.q_stride_b + h * p.q_stride_h;
+  QOperand<D> qop;
+  const bool want_lse = p.lse != nullptr;
+  qop.load(p, q_head, p.kv.k_mean + kv_head * D, rows, lane, 4 * cw + warp, s.reduce, s.q[cw],
+           want_lse && p.smooth_k);
+
+  OnlineSoftmax<kBlockKV> softmax;
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+
+  const float* k_scale = p.kv.k_scale + kv_head * (p.n_pad / kBlockKV) * kKScalesPerTile + t;
+  for (int it = 0; it < n_tiles; ++it) {
+    const int stage = it % kStages;
+    const float ks = k_scale[it * kKScalesPerTile];
+    mbar_wait(&s.full[stage], (it / kStages) & 1);
+
+    // S = Q K^T (int32): Q tile [64 x D] and K tile [128 tokens x D], both K-major in smem.
+    int32_t sacc[kBlockKV / 2];
+    reg_fence(sacc);
+    wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < D / 32; ++kc)
+      mma_s8_ss<kBlockKV>(sacc, make_smem_desc(s.q[cw] + 32 * kc, D),
+                          make_smem_desc(s.k[stage] + 32 * kc, D), kc > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(sacc);
+
+    const float mult[2] = {rules::score_multiplier(qop.scale[0], ks, p.sm_scale_log2),
+                           rules::score_multiplier(qop.scale[1], ks, p.sm_scale_log2)};
+    float sc[kBlockKV / 2];
+#pragma unroll
+    for (int i = 0; i < kBlockKV / 2; ++i) sc[i] = float(sacc[i]) * mult[frag::acc_row(i)];
+
+    const int kv0 = it * kBlockKV;
+    const bool needs_mask =
+        kv0 + kBlockKV > p.n_kv || (p.causal && kv0 + kBlockKV - 1 > wg_row0 + causal_offset);
+    if (needs_mask) {
+#pragma unroll
+      for (int i = 0; i < kBlockKV / 2; ++i) {
+        const int col = kv0 + frag::acc_col(i, t);
+        const int row = rows[frag::acc_row(i)];
+        if (col >= p.n_kv || (p.causal && col > row + causal_offset)) sc[i] = -INFINITY;
+      }
+    }
+
+    float alpha[2];
+    softmax.update(sc, alpha);
+    uint32_t pa[kBlockKV / 32][4];
+    pack_p_e4m3<kBlockKV>(sc, p.p_max, pa);
+
+    // O_tile = P V in a fresh accumulator (the FP8 MMA's ~fp22 accumulation stays inside one
+    // tile), then added into the fp32 output: two-level accumulation.
+    float otile[D / 2];
+    reg_fence(otile);
+    wgmma_fence();
+#pragma unroll
+    for (int kc = 0; kc < kBlockKV / 32; ++kc)
+      mma_e4m3_rs<D>(otile, pa[kc], make_smem_desc(s.v[stage] + 32 * kc, kBlockKV), kc > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(otile);
+    reg_fence(pa);
+    if (lane == 0) mbar_arrive(&s.empty[stage]);
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = o[i] * alpha[frag::acc_row(i)] + otile[i];
+  }
+
+  // ---- epilogue: normalize, undo the V scale, add back the V mean, store -----------------
+  float l[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) l[r] = frag::quad_sum(softmax.l[r]);
+  T* out_head = static_cast<T*>(p.out) + b * p.o_stride_b + h * p.o_stride_h;
+  const float* v_scale = p.kv.v_scale + kv_head * D;
+  const float* v_mean = p.kv.v_mean + kv_head * D;
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    const int c = 8 * j + 2 * t;
+    const float vs0 = v_scale[c] / p.p_max, vs1 = v_scale[c + 1] / p.p_max;
+    const float vm0 = p.smooth_v ? v_mean[c] : 0.f, vm1 = p.smooth_v ? v_mean[c + 1] : 0.f;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (rows[r] >= p.n_q) continue;
+      float y0 = 0.f, y1 = 0.f;
+      if (l[r] > 0.f) {
+        y0 = (o[4 * j + 2 * r] * vs0) / l[r] + vm0;
+        y1 = (o[4 * j + 2 * r + 1] * vs1) / l[r] + vm1;
+      }
+      gpu::store2(out_head + (int64_t)rows[r] * p.o_stride_n + c, y0, y1);
+    }
+  }
+  if (want_lse && t == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (rows[r] >= p.n_q) continue;
+      const float lse = l[r] > 0.f ? (softmax.m[r] + log2f(l[r])) * 0.69314718055994531f +
+                                         p.sm_scale * qop.dot_kmean[r]
+                                   : -INFINITY;
+      p.lse[b * p.lse_stride_b + h * p.lse_stride_h + (int64_t)rows[r] * p.lse_stride_n] = lse;
+    }
+  }
+}
+
+}  // namespace sage::sm90

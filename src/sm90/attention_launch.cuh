@@ -1,0 +1,30 @@
+// Host-side launch of the sm90 attention kernel for one (head dim, input dtype); the
+// instantiations are generated (instantiate.cmake), one per .cu file.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <mutex>
+
+#include "sm90/attention_kernel.cuh"
+#include "sm90/tma_maps.h"
+
+namespace sage::sm90 {
+
+template <int D, class T>
+void launch_attention(const AttentionParams& p, const AttentionMaps& maps, cudaStream_t stream) {
+  auto* kernel = attention_kernel<D, T>;
+  const size_t smem = sizeof(SharedStorage<D>) + 1024;  // + slack to align the base to 1024
+  static std::once_flag attribute_set;
+  static cudaError_t attribute_error = cudaSuccess;
+  std::call_once(attribute_set, [&] {
+    attribute_error =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  });
+  if (attribute_error != cudaSuccess) throw_cuda("cudaFuncSetAttribute(attention)", attribute_error);
+  const dim3 grid(p.n_q_tiles, p.heads_q, p.batch);
+  kernel<<<grid, kThreads, smem, stream>>>(maps.k, maps.v, p);
+}
+
+}  // namespace sage::sm90

@@ -1,0 +1,160 @@
+// Thin wrappers over the sm_90a instructions the Hopper kernels use: mbarriers, TMA bulk
+// tensor loads, warpgroup MMA bookkeeping, register reallocation and packed conversions.
+// Each wrapper is one instruction; the "why" of when to call them lives at the call sites.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cstdint>
+
+namespace sage::sm90 {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- mbarrier ------------------------------------------------------------------------------
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t phase) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(phase)
+      : "memory");
+}
+
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// ---- TMA -----------------------------------------------------------------------------------
+
+__device__ __forceinline__ void prefetch_tma_descriptor(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// 2-D tile load; coordinates are (innermost, outer) in elements.
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar,
+                                            int x, int y) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];" ::"r"(smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(x), "r"(y)
+      : "memory");
+}
+
+// ---- warpgroup MMA bookkeeping ---------------------------------------------------------------
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// wgmma reads its register operands and writes its accumulators asynchronously, but the
+// compiler sees an ordinary asm statement: without these fences it may schedule reads of the
+// accumulators before wgmma.wait_group, or reuse an A-operand register before the MMA has
+// read it. Fence every accumulator before the MMA chain and after the wait, and every A
+// operand after the wait.
+__device__ __forceinline__ void reg_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void reg_fence(int32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+__device__ __forceinline__ void reg_fence(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+template <class T, int N>
+__device__ __forceinline__ void reg_fence(T (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) reg_fence(r[i]);
+}
+template <class T, int N, int M>
+__device__ __forceinline__ void reg_fence(T (&r)[N][M]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) reg_fence(r[i]);
+}
+
+template <int Regs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Regs));
+}
+template <int Regs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Regs));
+}
+
+// Named barrier among `threads` threads (ids 1.. are free: 0 is __syncthreads).
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+// ---- shared-memory matrix descriptors --------------------------------------------------------
+
+// A K-major operand tile whose rows are exactly one swizzle span wide (128 or 64 bytes),
+// written by TMA with the matching swizzle. 8-row groups are `8 * row_bytes` apart (SBO);
+// the leading offset is unused because one MMA's K slice stays inside a row.
+__device__ __forceinline__ uint64_t make_smem_desc(const void* tile, int row_bytes) {
+  const uint64_t addr = smem_addr(tile);
+  uint64_t desc = 0;
+  desc |= (addr & 0x3FFFF) >> 4;                          // start address
+  desc |= uint64_t(1) << 16;                              // leading byte offset (unused)
+  desc |= uint64_t((8 * row_bytes) >> 4) << 32;           // stride byte offset
+  desc |= uint64_t(row_bytes == 128 ? 1 : 2) << 62;       // 128B or 64B swizzle
+  return desc;
+}
+
+// Byte offset of (row, byte column) in a K-major tile with rows of `row_bytes` (64 or 128)
+// under the matching TMA/wgmma swizzle: 16-byte chunks XORed with the row within the
+// 8-row (128B) or 4-row-pair (64B) repeat. The tile base must be aligned to the repeat.
+__device__ __forceinline__ int swizzled_offset(int row, int col, int row_bytes) {
+  const int chunk = col / 16;
+  const int xor_with = row_bytes == 128 ? row % 8 : (row / 2) % 4;
+  return row * row_bytes + ((chunk ^ xor_with) * 16) + col % 16;
+}
+
+// ---- conversions -----------------------------------------------------------------------------
+
+// Two floats to two E4M3 bytes: `lo` lands in the low byte (cvt puts its first source high).
+__device__ __forceinline__ uint16_t pack_e4m3x2(float lo, float hi) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Round to nearest even and saturate to int8 ([-128, 127]; callers clamp to [-qmax, qmax]).
+__device__ __forceinline__ int32_t round_sat_s8(float x) {
+  int32_t r;
+  asm("cvt.rni.sat.s8.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+}  // namespace sage::sm90

@@ -1,0 +1,60 @@
+#include "sm90/tma_maps.h"
+
+#include <cudaTypedefs.h>
+
+#include <string>
+
+#include "sage/error.h"
+
+namespace sage::sm90 {
+
+void throw_cuda(const char* what, cudaError_t err) {
+  throw CudaError(std::string(what) + " failed: " + cudaGetErrorString(err));
+}
+
+namespace {
+
+// The driver entry point is looked up at run time so that no binary links libcuda: the
+// library must load on machines without a GPU driver.
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    const cudaError_t err =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &status);
+    if (err != cudaSuccess || status != cudaDriverEntryPointSuccess || ptr == nullptr)
+      throw CudaError("cuTensorMapEncodeTiled is not available from the CUDA driver");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+CUtensorMap encode_2d_u8(void* base, uint64_t inner, uint64_t outer, uint32_t box_inner,
+                         uint32_t box_outer, CUtensorMapSwizzle swizzle) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint64_t strides[1] = {inner};  // bytes between rows
+  const cuuint32_t box[2] = {box_inner, box_outer};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode_fn()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base, dims, strides, box,
+                                 elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw CudaError("cuTensorMapEncodeTiled failed with CUresult " + std::to_string(int(r)));
+  return map;
+}
+
+}  // namespace
+
+AttentionMaps make_attention_maps(const AttentionParams& p, int head_dim) {
+  const uint64_t kv_heads = uint64_t(p.batch) * p.heads_kv;
+  AttentionMaps m;
+  m.k = encode_2d_u8(p.kv.k, head_dim, kv_heads * p.n_pad, head_dim, kBlockKV,
+                     head_dim == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B);
+  m.v = encode_2d_u8(p.kv.vt, p.n_pad, kv_heads * head_dim, kBlockKV, head_dim,
+                     CU_TENSOR_MAP_SWIZZLE_128B);
+  return m;
+}
+
+}  // namespace sage::sm90

@@ -1,0 +1,215 @@
+// Presets and recipe validation: every preset is consistent, and each inconsistency is
+// reported under the name of the option that causes it.
+#include <gtest/gtest.h>
+
+#include <set>
+#include <string>
+
+#include "sage/error.h"
+#include "sage/recipe.h"
+
+namespace {
+
+using namespace sage;
+
+// Runs validate_recipe and checks the error names `argument` in one sentence.
+void expect_invalid(const Recipe& r, const std::string& argument, const std::string& phrase) {
+  try {
+    validate_recipe(r);
+    ADD_FAILURE() << "validate_recipe accepted a recipe that should fail on " << argument;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), argument) << e.what();
+    const std::string what = e.what();
+    EXPECT_NE(what.find(phrase), std::string::npos) << what;
+    EXPECT_EQ(what.rfind(argument + ": ", 0), 0u) << what;
+    EXPECT_EQ(what.find('\n'), std::string::npos) << what;
+  }
+}
+
+#define EXPECT_INVALID(recipe, argument, phrase) \
+  do {                                           \
+    SCOPED_TRACE(argument);                      \
+    expect_invalid(recipe, argument, phrase);    \
+  } while (0)
+
+TEST(Recipes, EveryPresetValidates) {
+  ASSERT_FALSE(presets().empty());
+  for (const Recipe& r : presets()) {
+    EXPECT_NO_THROW(validate_recipe(r)) << r.name;
+    EXPECT_NE(recipe_paper(r), "custom") << r.name;
+    EXPECT_FALSE(recipe_summary(r).empty()) << r.name;
+  }
+}
+
+TEST(Recipes, PresetNamesAreUniqueAndFound) {
+  std::set<std::string> names;
+  for (const Recipe& r : presets()) {
+    EXPECT_TRUE(names.insert(r.name).second) << "duplicate preset " << r.name;
+    EXPECT_EQ(&preset(r.name), &r);
+  }
+  for (const char* n : {"sage1_t", "sage1_b", "sage1_vt", "sage1_vb", "sage2_8b", "sage2_4b",
+                        "sage2pp_8b", "sage3_fp4", "int_flash"})
+    EXPECT_TRUE(names.count(n)) << n;
+}
+
+TEST(Recipes, DefaultRecipeIsSage2_8bOptions) {
+  const Recipe d{};
+  const Recipe& p = preset("sage2_8b");
+  EXPECT_EQ(d.qk_format, p.qk_format);
+  EXPECT_EQ(d.qk_granularity, p.qk_granularity);
+  EXPECT_EQ(d.smooth_k, p.smooth_k);
+  EXPECT_EQ(d.pv_format, p.pv_format);
+  EXPECT_EQ(d.p_scale, p.p_scale);
+  EXPECT_EQ(d.v_scale, p.v_scale);
+  EXPECT_EQ(d.pv_accum, p.pv_accum);
+  EXPECT_NO_THROW(validate_recipe(d));
+}
+
+TEST(Recipes, UnknownPresetListsTheNames) {
+  try {
+    preset("nope");
+    FAIL() << "preset(\"nope\") returned";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "recipe");
+    const std::string what = e.what();
+    EXPECT_NE(what.find("'nope'"), std::string::npos) << what;
+    for (const Recipe& r : presets()) EXPECT_NE(what.find(r.name), std::string::npos) << r.name;
+  }
+}
+
+// ---- one test per validate_recipe branch --------------------------------------------------
+
+Recipe base() { return preset("sage2_8b"); }
+
+TEST(ValidateRecipe, MicroscaleGranularityWithoutFp4) {
+  Recipe r = base();
+  r.qk_granularity = Granularity::microscale;
+  EXPECT_INVALID(r, "recipe.qk_granularity", "microscale");
+}
+
+TEST(ValidateRecipe, Fp4QKWithoutMicroscale) {
+  Recipe r = preset("sage3_fp4");
+  r.qk_granularity = Granularity::per_block;
+  EXPECT_INVALID(r, "recipe.qk_granularity", "nvfp4/mxfp4");
+  r.qk_format = QKFormat::mxfp4;
+  EXPECT_INVALID(r, "recipe.qk_granularity", "mxfp4");
+}
+
+TEST(ValidateRecipe, Fp16QKMustBePerTensor) {
+  Recipe r = base();
+  r.qk_format = QKFormat::fp16;
+  r.smooth_k = false;
+  r.qk_granularity = Granularity::per_block;
+  EXPECT_INVALID(r, "recipe.qk_granularity", "per_tensor");
+  r.qk_granularity = Granularity::per_tensor;
+  EXPECT_NO_THROW(validate_recipe(r));
+}
+
+TEST(ValidateRecipe, SmoothQNeedsIntegerQK) {
+  Recipe r = base();
+  r.qk_format = QKFormat::e4m3;
+  r.smooth_q = true;
+  EXPECT_INVALID(r, "recipe.smooth_q", "int8/int4");
+}
+
+TEST(ValidateRecipe, Fp16PVTakesNoScales) {
+  Recipe r = preset("sage1_b");
+  r.p_scale = PScale::static_max;
+  EXPECT_INVALID(r, "recipe.p_scale", "pv_format fp16");
+  r = preset("sage1_b");
+  r.v_scale = VScale::per_channel;
+  EXPECT_INVALID(r, "recipe.p_scale", "v_scale none");
+}
+
+TEST(ValidateRecipe, QuantizedPVNeedsPScale) {
+  Recipe r = base();
+  r.p_scale = PScale::none;
+  EXPECT_INVALID(r, "recipe.p_scale", "static_max or two_level");
+}
+
+TEST(ValidateRecipe, TwoLevelPScaleNeedsFp4) {
+  Recipe r = base();
+  r.p_scale = PScale::two_level;
+  EXPECT_INVALID(r, "recipe.p_scale", "nvfp4/mxfp4");
+}
+
+TEST(ValidateRecipe, MicroscaleVGoesWithFp4PV) {
+  Recipe r = preset("sage3_fp4");
+  r.v_scale = VScale::per_channel;
+  EXPECT_INVALID(r, "recipe.v_scale", "microscale");
+  r = base();
+  r.v_scale = VScale::microscale;
+  EXPECT_INVALID(r, "recipe.v_scale", "microscale");
+}
+
+TEST(ValidateRecipe, QuantizedPVNeedsVScale) {
+  Recipe r = base();
+  r.v_scale = VScale::none;
+  EXPECT_INVALID(r, "recipe.v_scale", "needs a V scale");
+}
+
+TEST(ValidateRecipe, Fp8AccumulatorsNeedFp8PV) {
+  for (PVAccum acc : {PVAccum::fp22, PVAccum::two_level, PVAccum::fp16x2_fp32}) {
+    Recipe r = preset("sage1_vb");  // int8 PV
+    r.pv_accum = acc;
+    EXPECT_INVALID(r, "recipe.pv_accum", "e4m3/e5m2");
+  }
+}
+
+TEST(ValidateRecipe, Fp16AccumulatorNeedsFp16PV) {
+  Recipe r = base();
+  r.pv_accum = PVAccum::fp16;
+  EXPECT_INVALID(r, "recipe.pv_accum", "pv_format fp16");
+}
+
+TEST(ValidateRecipe, NegativeRanges) {
+  Recipe r = base();
+  r.p_range = -1.f;
+  EXPECT_INVALID(r, "recipe.p_range", ">= 0");
+  r = base();
+  r.v_range = -0.5f;
+  EXPECT_INVALID(r, "recipe.p_range", ">= 0");
+}
+
+TEST(ValidateRecipe, NarrowedRangesNeedFp8OrInt8PV) {
+  Recipe r = preset("sage1_b");  // fp16 PV
+  r.p_range = 100.f;
+  EXPECT_INVALID(r, "recipe.p_range", "fp8/int8");
+  r = preset("sage3_fp4");
+  r.v_range = 2.f;
+  EXPECT_INVALID(r, "recipe.p_range", "fp8/int8");
+}
+
+TEST(ValidateRecipe, PrequantizedInputsNeedIntFlashOptions) {
+  Recipe r = base();
+  r.inputs = Inputs::prequantized_int8;
+  EXPECT_INVALID(r, "recipe.inputs", "prequantized_int8");
+  r = preset("int_flash");
+  r.smooth_k = true;
+  EXPECT_INVALID(r, "recipe.inputs", "no smoothing");
+  r = preset("int_flash");
+  r.qk_granularity = Granularity::per_block;
+  EXPECT_INVALID(r, "recipe.inputs", "per_token");
+}
+
+TEST(Recipes, ToStringCoversEveryValue) {
+  for (auto v : {QKFormat::fp16, QKFormat::int8, QKFormat::int4, QKFormat::e4m3, QKFormat::nvfp4,
+                 QKFormat::mxfp4})
+    EXPECT_STRNE(to_string(v), "?");
+  for (auto v : {Granularity::per_tensor, Granularity::per_block, Granularity::per_warp,
+                 Granularity::per_thread, Granularity::per_token, Granularity::microscale})
+    EXPECT_STRNE(to_string(v), "?");
+  for (auto v : {PVFormat::fp16, PVFormat::e4m3, PVFormat::e5m2, PVFormat::int8, PVFormat::nvfp4,
+                 PVFormat::mxfp4})
+    EXPECT_STRNE(to_string(v), "?");
+  for (auto v : {PScale::none, PScale::static_max, PScale::two_level}) EXPECT_STRNE(to_string(v), "?");
+  for (auto v : {VScale::none, VScale::per_channel, VScale::per_tensor, VScale::microscale})
+    EXPECT_STRNE(to_string(v), "?");
+  for (auto v : {PVAccum::fp32, PVAccum::fp16, PVAccum::fp22, PVAccum::two_level,
+                 PVAccum::fp16x2_fp32})
+    EXPECT_STRNE(to_string(v), "?");
+  EXPECT_STREQ(to_string(RowSum::quantized_p), "quantized_p");
+  EXPECT_STREQ(to_string(Inputs::prequantized_int8), "prequantized_int8");
+}
+
+}  // namespace

@@ -1,0 +1,115 @@
+"""Presets and recipe options through the bindings (no NumPy or torch needed)."""
+
+import pytest
+
+import sagekit
+
+OPTION_KEYS = {"qk_format", "qk_granularity", "smooth_k", "smooth_q", "smooth_v", "pv_format",
+               "p_scale", "v_scale", "pv_accum", "p_range", "v_range", "row_sum", "inputs"}
+
+
+def test_presets_list_the_papers_configurations():
+    presets = sagekit.presets()
+    names = [p["name"] for p in presets]
+    for expected in ("sage1_t", "sage1_b", "sage1_vt", "sage1_vb", "sage2_8b", "sage2_4b",
+                     "sage2pp_8b", "sage3_fp4", "int_flash"):
+        assert expected in names
+    assert len(set(names)) == len(names)
+    for p in presets:
+        assert OPTION_KEYS <= set(p), p
+        assert p["paper"] and p["summary"]
+        assert isinstance(p["smooth_k"], bool) and isinstance(p["p_range"], float)
+
+
+def test_presets_match_the_papers():
+    by_name = {p["name"]: p for p in sagekit.presets()}
+    s2 = by_name["sage2_8b"]
+    assert (s2["qk_format"], s2["qk_granularity"], s2["pv_format"], s2["pv_accum"]) == \
+        ("int8", "per_thread", "e4m3", "two_level")
+    pp = by_name["sage2pp_8b"]
+    assert pp["pv_accum"] == "fp16x2_fp32" and pp["p_range"] == 112.0 and pp["v_range"] == 4.5
+    assert by_name["sage3_fp4"]["qk_format"] == "nvfp4"
+    assert by_name["int_flash"]["inputs"] == "prequantized_int8"
+
+
+def test_every_preset_round_trips_as_dict_and_as_spec():
+    for p in sagekit.presets():
+        assert sagekit.recipe(p["name"]) == p
+        assert sagekit.recipe(dict(p)) == p  # descriptive keys are accepted back
+        spec = sagekit._C.recipe_spec(p["name"])
+        assert sagekit.recipe(spec) == p
+
+
+def test_recipe_overrides_and_naming():
+    r = sagekit.recipe("sage2_8b", pv_accum="fp32")
+    assert r["pv_accum"] == "fp32" and r["qk_format"] == "int8"
+    assert r["name"] == "custom"
+    # A dict that spells out a preset's options is that preset.
+    assert sagekit.recipe({"base": "sage2_8b", "pv_accum": "two_level"})["name"] == "sage2_8b"
+    assert sagekit.recipe({"qk_granularity": "per_block"})["qk_granularity"] == "per_block"
+    assert sagekit.recipe("sage2_8b", name="mine", smooth_k=False)["name"] == "mine"
+    # Spec strings: a bare item is the base preset, key=value items override it.
+    r = sagekit.recipe("sage2pp_8b, p_range=100, smooth_v=true")
+    assert r["p_range"] == 100.0 and r["smooth_v"] is True and r["pv_accum"] == "fp16x2_fp32"
+    # PScale's enumerator name and its printed name are both accepted.
+    assert sagekit.recipe("sage2_8b,p_scale=static_max")["p_scale"] == "static"
+
+
+def test_recipe_key_is_parsed_by_the_library():
+    from sagekit._recipes import recipe_key
+
+    d = {"base": "sage2pp_8b", "p_range": 100, "smooth_v": True, "paper": "ignored"}
+    assert sagekit.recipe(recipe_key(d)) == sagekit.recipe(d)
+    assert recipe_key("sage1_b") == "sage1_b"
+
+
+@pytest.mark.parametrize("spec, argument", [
+    ("nope", "recipe"),
+    ({"foo": 1}, "recipe"),
+    ({"pv_accum": "fp99"}, "recipe.pv_accum"),
+    ({"smooth_k": "maybe"}, "recipe.smooth_k"),
+    ({"p_range": "wide"}, "recipe.p_range"),
+    ({"p_range": [1]}, "recipe.p_range"),
+    ({"qk_format": "nvfp4"}, "recipe.qk_granularity"),          # validate_recipe
+    ({"pv_format": "fp16"}, "recipe.p_scale"),                   # validate_recipe
+    ({"base": "sage2_8b", "pv_accum": "fp16"}, "recipe.pv_accum"),
+    ({"p_range": -1.0}, "recipe.p_range"),
+    ({}, "recipe"),
+    ("sage2_8b,pv_accum=fp32,pv_accum=fp16", "recipe.pv_accum"),
+    ("sage2_8b,sage1_b", "recipe"),
+    (42, "recipe"),
+])
+def test_recipe_errors_name_the_option(spec, argument):
+    with pytest.raises(ValueError) as info:
+        sagekit.recipe(spec)
+    err = info.value
+    assert isinstance(err, sagekit.ArgumentError)
+    assert err.argument == argument
+    assert str(err).startswith(argument + ":"), str(err)
+
+
+def test_unknown_preset_error_lists_the_presets():
+    with pytest.raises(sagekit.ArgumentError) as info:
+        sagekit.recipe("sage9")
+    assert "sage2_8b" in str(info.value) and "sage9" in str(info.value)
+
+
+def test_recipe_key_errors_name_the_option():
+    from sagekit._recipes import recipe_key
+
+    with pytest.raises(sagekit.ArgumentError) as info:
+        recipe_key({"name": "a,b"})
+    assert info.value.argument == "recipe.name"
+    with pytest.raises(sagekit.ArgumentError) as info:
+        recipe_key(3.0)
+    assert info.value.argument == "recipe"
+
+
+def test_build_facts_are_reported():
+    assert isinstance(sagekit.cuda_built, bool)
+    assert isinstance(sagekit.gpu_available(), bool)
+    dims = sagekit.gpu_head_dims()
+    assert isinstance(dims, list) and all(isinstance(d, int) for d in dims)
+    if not sagekit.cuda_built:
+        assert sagekit.gpu_available() is False
+    assert sagekit.__version__.count(".") >= 1
