@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <iostream>
 #include <random>
+#include <set>
 #include <sstream>
 #include <vector>
 
@@ -28,13 +29,12 @@ struct BenchConfig {
   std::string json;
 };
 
+#ifdef SAGE_WITH_CUDA
 double tops(const BenchConfig& c, int64_t batch, int64_t n, int64_t d, bool causal, double ms) {
   const double ops = 4.0 * static_cast<double>(batch) * static_cast<double>(c.heads) *
                      static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(d);
   return (causal ? ops / 2 : ops) / (ms * 1e-3) / 1e12;
 }
-
-#ifdef SAGE_WITH_CUDA
 
 struct Inputs {
   DeviceBuffer q, k, v, out;
@@ -99,6 +99,11 @@ int run_grid(const BenchConfig& c) {
                "workspace/QKV"},
               {false, false, true, false, true, true, true, true, true, true});
   std::vector<JsonRecord> records;
+  // Rows are gathered per recipe so the table reads recipe by recipe, and a recipe refused
+  // for one reason at every point takes one row instead of one per point.
+  std::vector<std::vector<std::vector<std::string>>> rows(c.recipes.size());
+  std::vector<std::set<std::string>> refusals(c.recipes.size());
+  std::vector<int> timed(c.recipes.size(), 0);
   HostRandom host;
   Stream stream;
   int failures = 0;
@@ -131,7 +136,8 @@ int run_grid(const BenchConfig& c) {
         }
         for (const std::string& cs : c.causal) {
           const bool causal = cs == "yes";
-          for (const std::string& rn : c.recipes) {
+          for (size_t ri = 0; ri < c.recipes.size(); ++ri) {
+            const std::string& rn = c.recipes[ri];
             const Recipe& recipe = preset(rn);
             std::ostringstream what;
             what << rn << " " << dts << " d=" << d << " causal=" << cs << " N=" << n;
@@ -171,7 +177,8 @@ int run_grid(const BenchConfig& c) {
               std::vector<std::string> row = head;
               row.insert(row.end(), {std::to_string(copies), fixed(med, 3), fixed(t, 1),
                                      fixed(ratio, 3)});
-              table.add(row);
+              rows[ri].push_back(row);
+              ++timed[ri];
               rec.num("ms", med).num("tops", t).str("device", device)
                   .integer("workspace_bytes", static_cast<int64_t>(ws))
                   .integer("qkv_bytes", static_cast<int64_t>(qkv_bytes))
@@ -181,7 +188,8 @@ int run_grid(const BenchConfig& c) {
               // Not timed, and said so: a recipe or shape this build cannot run.
               std::vector<std::string> row = head;
               row.push_back(std::string("unsupported on GPU: ") + e.what());
-              table.add(row);
+              rows[ri].push_back(row);
+              refusals[ri].insert(e.what());
               rec.str("device", device).str("status", "unsupported").str("message", e.what());
               ++failures;
             }
@@ -189,6 +197,14 @@ int run_grid(const BenchConfig& c) {
           }
         }
       }
+  }
+  for (size_t ri = 0; ri < c.recipes.size(); ++ri) {
+    if (timed[ri] == 0 && refusals[ri].size() == 1 && rows[ri].size() > 1) {
+      table.add({c.recipes[ri], join(c.dtypes, ","), "all", "all", "all", "all",
+                 "unsupported on GPU: " + *refusals[ri].begin()});
+      continue;
+    }
+    for (auto& row : rows[ri]) table.add(row);
   }
   std::cout << "\n";
   table.print(std::cout);

@@ -167,14 +167,23 @@ int run_check(const std::vector<std::string>& args) {
   Table table(header, right);
   std::vector<JsonRecord> records;
 
+  // Computed distribution by distribution (each one's exact output is made once), shown
+  // recipe by recipe: rows[recipe][dist] holds that case's table rows, unsupported[recipe][dist]
+  // the GPU build's refusal, if any.
+  std::vector<std::vector<std::vector<std::vector<std::string>>>> rows(
+      recipes.size(), std::vector<std::vector<std::vector<std::string>>>(chosen.size()));
+  std::vector<std::vector<std::string>> refusal(recipes.size(),
+                                                std::vector<std::string>(chosen.size()));
   const int total = static_cast<int>(recipes.size() * chosen.size());
   Progress progress(total, total > 1);
   int unsupported = 0, nonfinite = 0;
-  for (const std::string& dist : chosen) {
+  for (size_t di = 0; di < chosen.size(); ++di) {
+    const std::string& dist = chosen[di];
     std::unique_ptr<DistributionCase> owned =
         first ? std::move(first) : std::make_unique<DistributionCase>(dist, shape);
     DistributionCase& dc = *owned;
-    for (const std::string& rn : recipes) {
+    for (size_t ri = 0; ri < recipes.size(); ++ri) {
+      const std::string& rn = recipes[ri];
       const Recipe& recipe = preset(rn);
       progress.step(rn + " " + dist);
       auto base = [&](const std::string& compared) {
@@ -192,7 +201,7 @@ int run_check(const std::vector<std::string>& args) {
         nonfinite += s.nonfinite > 0;
         std::vector<std::string> row = {rn, dist};
         for (auto& c : metric_cells(s)) row.push_back(c);
-        table.add(row);
+        rows[ri][di].push_back(row);
         JsonRecord r = base("simulate_vs_exact");
         records.push_back(add_metrics(r.str("status", "ok"), s));
         continue;
@@ -208,13 +217,14 @@ int run_check(const std::vector<std::string>& args) {
               std::make_tuple("gpu vs exact", "gpu_vs_exact", vs_exact)}) {
           std::vector<std::string> row = {rn, dist, label};
           for (auto& c : metric_cells(s)) row.push_back(c);
-          table.add(row);
+          rows[ri][di].push_back(row);
           JsonRecord r = base(key);
           records.push_back(add_metrics(r.str("status", "ok"), s));
         }
       } catch (const sage::Error& e) {
         ++unsupported;
-        table.add({rn, dist, std::string("unsupported on GPU: ") + e.what()});
+        refusal[ri][di] = e.what();
+        rows[ri][di].push_back({rn, dist, std::string("unsupported on GPU: ") + e.what()});
         JsonRecord r = base("gpu");
         records.push_back(r.str("status", "unsupported").str("message", e.what()));
       }
@@ -222,6 +232,17 @@ int run_check(const std::vector<std::string>& args) {
     }
   }
 
+  for (size_t ri = 0; ri < recipes.size(); ++ri) {
+    // A recipe refused for the same reason on every input gets one row, not one per input.
+    bool same = !refusal[ri][0].empty();
+    for (const std::string& m : refusal[ri]) same = same && m == refusal[ri][0];
+    if (same && chosen.size() > 1) {
+      table.add({recipes[ri], "all", "unsupported on GPU: " + refusal[ri][0]});
+      continue;
+    }
+    for (auto& per_dist : rows[ri])
+      for (auto& row : per_dist) table.add(row);
+  }
   table.print(std::cout);
   std::cout << "\n" << total << " case(s)";
   if (on_gpu) std::cout << ", " << total - unsupported << " ran on the GPU, " << unsupported

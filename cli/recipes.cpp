@@ -7,12 +7,15 @@
 #include "sage/recipe.h"
 
 namespace sage::cli {
+namespace {
 
 std::string range_text(float r) {
   std::ostringstream os;
   os << r;
   return os.str();
 }
+
+}  // namespace
 
 bool is_default_recipe(const Recipe& r) {
   const Recipe d{};

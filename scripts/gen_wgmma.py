@@ -16,35 +16,34 @@ OPS = [
 ]
 
 
-def emit(name, n, k, dtype, atype, btype, ctype):
+def emit(name, n, k, dtype, atype, btype, ctype, accumulate):
     nacc = n // 2  # m64nN over 128 threads: 64*N/128 accumulators per thread
-    con = "r" if ctype == "int32_t" else "f"
+    con = ("+" if accumulate else "=") + ("r" if ctype == "int32_t" else "f")
     ss = name.endswith("_ss")
     acc_list = ", ".join(f"%{i}" for i in range(nacc))
     n_a = 1 if ss else 4
     a_list = f"%{nacc}" if ss else "{" + ", ".join(f"%{nacc + i}" for i in range(4)) + "}"
     desc = f"%{nacc + n_a}"
-    scale_d = f"%{nacc + n_a + 1}"
     imm = ", 1, 1" if dtype == "f32" else ""  # fp8 takes imm-scale-a/b; integer MMA does not
-    outs = ", ".join(f'"+{con}"(d[{i}])' for i in range(nacc))
+    outs = ", ".join(f'"{con}"(d[{i}])' for i in range(nacc))
     a_param = "uint64_t desc_a" if ss else "const uint32_t (&a)[4]"
     a_where = "shared, K-major" if ss else "registers"
     a_inputs = '"l"(desc_a)' if ss else '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3])'
+    verb = "+=" if accumulate else "="
     lines = [
-        f"// D[64x{n}] (+)= A[64x{k}] ({a_where}) * B[{k}x{n}] (shared, K-major): {atype} x {btype} -> {dtype}.",
-        f"// accumulate == false overwrites D (the first MMA of a chain).",
-        f"template <> __device__ __forceinline__ void {name}<{n}>({ctype} (&d)[{nacc}], {a_param},",
-        f"                                                 uint64_t desc_b, bool accumulate) {{",
+        f"// D[64x{n}] {verb} A[64x{k}] ({a_where}) * B[{k}x{n}] (shared, K-major): {atype} x {btype} -> {dtype}.",
+        f"template <> __device__ __forceinline__ void {name}<{n}, {'true' if accumulate else 'false'}>(",
+        f"    {ctype} (&d)[{nacc}], {a_param}, uint64_t desc_b) {{",
         "  asm volatile(",
         '      "{\\n"',
         '      ".reg .pred p;\\n"',
-        f'      "setp.ne.b32 p, {scale_d}, 0;\\n"',
+        f'      "setp.ne.b32 p, {1 if accumulate else 0}, 0;\\n"',
         f'      "wgmma.mma_async.sync.aligned.m64n{n}k{k}.{dtype}.{atype}.{btype} "',
         f'      "{{{acc_list}}}, "',
         f'      "{a_list}, {desc}, p{imm};\\n"',
         '      "}\\n"',
         f"      : {outs}",
-        f'      : {a_inputs}, "l"(desc_b), "r"(int(accumulate)));',
+        f"      : {a_inputs}, \"l\"(desc_b));",
         "}",
         "",
     ]
@@ -63,13 +62,16 @@ def main():
         "namespace sage::sm90 {",
         "",
     ]
+    out.append("// Accumulate = false starts a chain: the accumulators are write-only operands, so the")
+    out.append("// compiler need not keep their previous values alive across the loop.")
     for name in sorted({o[0] for o in OPS}):
         ctype = next(o[6] for o in OPS if o[0] == name)
         a_param = "uint64_t desc_a" if name.endswith("_ss") else "const uint32_t (&a)[4]"
-        out.append(f"template <int N> __device__ void {name}({ctype} (&d)[N / 2], {a_param}, uint64_t desc_b, bool accumulate);")
+        out.append(f"template <int N, bool Accumulate> __device__ void {name}({ctype} (&d)[N / 2], {a_param}, uint64_t desc_b);")
     out.append("")
     for op in OPS:
-        out.append(emit(*op))
+        for acc in (False, True):
+            out.append(emit(*op, acc))
     out.append("}  // namespace sage::sm90")
     path = pathlib.Path(__file__).resolve().parent.parent / "src" / "sm90" / "wgmma_ops.cuh"
     path.write_text("\n".join(out) + "\n")

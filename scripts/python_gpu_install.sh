@@ -7,7 +7,7 @@
 #   scripts/python_gpu_install.sh --cpu      CPU references only (no nvcc needed)
 #   SAGE_HEAD_DIMS="128" scripts/python_gpu_install.sh   fewer kernels, faster build
 #
-# The build folder (build/python/<wheel tag>) is kept, so a second run is incremental.
+# The build folder (build-python/<wheel tag>) is kept, so a second run is incremental.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -50,8 +50,8 @@ fi
 export CMAKE_ARGS="${CMAKE_ARGS:-} ${args[*]}"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 echo "CMAKE_ARGS=$CMAKE_ARGS"
-mkdir -p build
-log=build/python_gpu_install.log
+mkdir -p build-python
+log=build-python/python_gpu_install.log
 if ! python3 -m pip install --no-build-isolation --no-index --no-deps -v . >"$log" 2>&1; then
   echo "python_gpu_install.sh: pip install failed; the end of $log:" >&2
   tail -n 60 "$log" >&2

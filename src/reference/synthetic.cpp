@@ -23,7 +23,8 @@ constexpr Dist kDists[] = {
     {"outliers", "Q and K with d/32 channels scaled x10..x20"},
     {"sharp", "Q and K times 3: 9x sharper scores"},
     {"v_bias", "V with a large per-channel bias ~ N(0, 5^2)"},
-    {"sink", "key 0 scores ~+10 for every query over a diffuse bulk: most P~ ~1e-4, summing to O(1)"},
+    {"sink", "key 0 scores ~+10 for every query over a diffuse bulk (most P~ ~1e-4, summing to "
+             "O(1)); V with a per-channel bias ~ N(0, 2^2)"},
 };
 
 // Mixes coordinates into independent stream seeds (the SplitMix64 finalizer).

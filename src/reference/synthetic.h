@@ -14,7 +14,8 @@
 //   v_bias    V = b + N(0, 1) with b_c ~ N(0, 5^2) per channel (where V smoothing matters)
 //   sink      Q = u + N(0, 1) with |u_c| = 0.5 shared by all queries; key 0 = 20 u / |u|:
 //             one key scores ~+10 everywhere above a diffuse N(0, 1.25) bulk, so over long
-//             sequences most of P~ is ~1e-4 yet sums to O(1) (the papers' regime for P)
+//             sequences most of P~ is ~1e-4 yet sums to O(1) (the papers' regime for P);
+//             V = b + N(0, 1), b_c ~ N(0, 2^2), so that the bulk's mass shows in the output
 // Unlisted tensors are N(0, 1). All values are rounded to fp16.
 #pragma once
 

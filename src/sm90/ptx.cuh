@@ -106,9 +106,13 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Regs));
 }
 
-// Named barrier among `threads` threads (ids 1.. are free: 0 is __syncthreads).
+// Named barrier among `threads` threads (ids 1.. are free: 0 is __syncthreads). `arrive`
+// counts toward the barrier without waiting for it.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 // ---- shared-memory matrix descriptors --------------------------------------------------------

@@ -166,13 +166,13 @@ TEST(Exact, LayoutsAndStridedViewsAgree) {
   };
   auto qn = to_nhd(q, H, N), kn = to_nhd(k, HK, NK), vn = to_nhd(v, HK, NK);
   std::vector<float> on(ref.size());
-  AttentionArgs n = a;
-  n.layout = Layout::NHD;
-  n.q = contiguous_view(qn.data(), DType::f32, {B, N, H, D});
-  n.k = contiguous_view(kn.data(), DType::f32, {B, NK, HK, D});
-  n.v = contiguous_view(vn.data(), DType::f32, {B, NK, HK, D});
-  n.out = contiguous_view(on.data(), DType::f32, {B, N, H, D});
-  reference::exact(n);
+  AttentionArgs nhd = a;
+  nhd.layout = Layout::NHD;
+  nhd.q = contiguous_view(qn.data(), DType::f32, {B, N, H, D});
+  nhd.k = contiguous_view(kn.data(), DType::f32, {B, NK, HK, D});
+  nhd.v = contiguous_view(vn.data(), DType::f32, {B, NK, HK, D});
+  nhd.out = contiguous_view(on.data(), DType::f32, {B, N, H, D});
+  reference::exact(nhd);
   EXPECT_EQ(to_nhd(ref, H, N), on);
 
   // HND views into padded buffers: every row padded to 11 elements, tokens of a head 3 rows

@@ -654,7 +654,9 @@ TEST(SimEdgeCases, InputsNearTheFp16LimitStayFinite) {
     EXPECT_EQ(err.nonfinite, 0) << r.name;
     // NVFP4 has no per-tensor scale in this contract: an E4M3 group scale stops at 448, so
     // magnitudes above 6 * 448 = 2688 saturate (docs/numerics.md, "Range limits").
-    if (r.pv_format != PVFormat::nvfp4) EXPECT_LT(err.rel_l1, 0.05) << r.name;
+    if (r.pv_format != PVFormat::nvfp4) {
+      EXPECT_LT(err.rel_l1, 0.05) << r.name;
+    }
   }
 }
 
