@@ -10,42 +10,39 @@
 
 namespace sage::gpu {
 
+// Two 16-bit values packed in a word, to floats.
 template <class T>
-__device__ __forceinline__ void load8(const T* p, float (&x)[8]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if constexpr (std::is_same_v<T, __half>) {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
-      x[2 * i] = f.x;
-      x[2 * i + 1] = f.y;
-    } else {
-      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
-      x[2 * i] = f.x;
-      x[2 * i + 1] = f.y;
-    }
+__device__ __forceinline__ float2 word_to_float2(uint32_t w) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&w));
+  } else {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
   }
 }
 
-// 4 consecutive elements (8 bytes).
-template <class T>
-__device__ __forceinline__ void load4(const T* p, float (&x)[4]) {
-  const uint2 raw = *reinterpret_cast<const uint2*>(p);
-  const uint32_t w[2] = {raw.x, raw.y};
+// N consecutive elements (N = 4: 8 bytes, N = 8: 16 bytes) in one vector load.
+template <int N, class T>
+__device__ __forceinline__ void load_vec(const T* p, float (&x)[N]) {
+  static_assert(N == 4 || N == 8, "8- or 16-byte loads");
+  uint32_t w[N / 2];
+  if constexpr (N == 8) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    w[0] = raw.x, w[1] = raw.y, w[2] = raw.z, w[3] = raw.w;
+  } else {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    w[0] = raw.x, w[1] = raw.y;
+  }
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    if constexpr (std::is_same_v<T, __half>) {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
-      x[2 * i] = f.x;
-      x[2 * i + 1] = f.y;
-    } else {
-      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
-      x[2 * i] = f.x;
-      x[2 * i + 1] = f.y;
-    }
+  for (int i = 0; i < N / 2; ++i) {
+    const float2 f = word_to_float2<T>(w[i]);
+    x[2 * i] = f.x;
+    x[2 * i + 1] = f.y;
   }
 }
+template <class T>
+__device__ __forceinline__ void load8(const T* p, float (&x)[8]) { load_vec<8>(p, x); }
+template <class T>
+__device__ __forceinline__ void load4(const T* p, float (&x)[4]) { load_vec<4>(p, x); }
 
 template <class T>
 __device__ __forceinline__ void store2(T* p, float a, float b) {

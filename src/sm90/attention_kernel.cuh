@@ -165,7 +165,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                            rules::score_multiplier(qop.scale[1], ks, p.sm_scale_log2)};
     float sc[kBlockKV / 2];
 #pragma unroll
-    for (int i = 0; i < kBlockKV / 2; ++i) sc[i] = float(sacc[i]) * mult[frag::acc_row(i)];
+    for (int i = 0; i < kBlockKV / 2; ++i)
+      sc[i] = float(sacc[i]) * mult[frag::acc_row(i)];
     const int kv0 = it * kBlockKV;
     const bool needs_mask =
         kv0 + kBlockKV > p.n_kv || (p.causal && kv0 + kBlockKV - 1 > wg_row0 + causal_offset);

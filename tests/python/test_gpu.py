@@ -276,6 +276,15 @@ def test_no_host_synchronization_in_the_call_path():
     torch.cuda.synchronize()
 
 
+def test_forward_only_op_refuses_a_backward_pass():
+    q, k, v = _qkv(b=1, hq=2, hkv=2, nq=128, nkv=128, seed=12)
+    q.requires_grad_(True)
+    out = sagekit.sageattn(q, k, v)  # the forward runs
+    torch.testing.assert_close(out, sagekit.sageattn(q.detach(), k, v), atol=0, rtol=0)
+    with pytest.raises(RuntimeError):
+        out.float().sum().backward()
+
+
 def test_auto_recipe_on_this_gpu_is_sage2_8b():
     q, k, v = _qkv(b=1, hq=2, hkv=2, nq=128, nkv=128, seed=11)
     torch.testing.assert_close(sagekit.sageattn(q, k, v),
