@@ -17,9 +17,19 @@
 namespace sage {
 namespace {
 
-// Head dims the GPU kernels are instantiated for. The CMake option SAGE_HEAD_DIMS decides the
-// real set and must agree with this list until both read one generated source.
+// Head dims the GPU kernels exist for. A CUDA build reports the subset it instantiated
+// (SAGE_HEAD_DIMS) through gpu_head_dims(), and that is what the check uses; a CPU-only build
+// reports none, and its GPU entry points refuse every call anyway.
 constexpr int64_t kGpuHeadDims[] = {64, 128};
+
+std::vector<int64_t> gpu_head_dims_of_build() {
+  std::vector<int64_t> dims;
+  std::istringstream is(gpu_head_dims());
+  std::string item;
+  while (std::getline(is, item, ',')) dims.push_back(std::stoll(item));
+  if (dims.empty()) dims.assign(std::begin(kGpuHeadDims), std::end(kGpuHeadDims));
+  return dims;
+}
 constexpr int64_t kCpuMaxHeadDim = 256;
 
 std::string join(const int64_t* v, int n) {
@@ -219,7 +229,7 @@ Problem check_args(const AttentionArgs& a, DeviceKind device) {
   } else {
     bool supported = false;
     std::string list;
-    for (int64_t d : kGpuHeadDims) {
+    for (int64_t d : gpu_head_dims_of_build()) {
       supported = supported || d == q.head_dim;
       list += (list.empty() ? "" : ", ") + num(d);
     }

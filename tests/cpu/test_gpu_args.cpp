@@ -1,0 +1,114 @@
+// The GPU entry points' own argument checks (alignment, workspace, recipes without a kernel).
+// They run before anything touches a device, so they are tested here on host buffers
+// labelled as cuda memory; a CPU-only build skips them (its stub is tested in test_args.cpp).
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+
+#include "sage/attention.h"
+
+namespace {
+
+using namespace sage;
+
+#ifdef SAGE_WITH_CUDA
+class GpuArgs : public ::testing::Test {
+ protected:
+  static constexpr int64_t B = 1, H = 2, N = 16, D = 64;
+  // 256-byte aligned host storage standing in for device memory (never dereferenced).
+  void* storage() {
+    buffers_.push_back(std::make_unique<uint8_t[]>(B * H * (N + 8) * D * 2 + 512));
+    auto p = reinterpret_cast<uintptr_t>(buffers_.back().get());
+    return reinterpret_cast<void*>((p + 255) / 256 * 256);
+  }
+  AttentionArgs make() {
+    AttentionArgs a;
+    const Device gpu = Device::cuda(0);
+    a.q = contiguous_view(storage(), DType::f16, {B, H, N, D}, gpu);
+    a.k = contiguous_view(storage(), DType::f16, {B, H, N, D}, gpu);
+    a.v = contiguous_view(storage(), DType::f16, {B, H, N, D}, gpu);
+    a.out = contiguous_view(storage(), DType::f16, {B, H, N, D}, gpu);
+    return a;
+  }
+  static void expect_error(const AttentionArgs& a, const std::string& argument,
+                           const std::string& phrase) {
+    try {
+      workspace_bytes(a);
+      ADD_FAILURE() << "workspace_bytes accepted the arguments; expected an error on " << argument;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), argument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(phrase), std::string::npos) << e.what();
+    }
+  }
+  std::vector<std::unique_ptr<uint8_t[]>> buffers_;
+};
+
+TEST_F(GpuArgs, ValidArgumentsGiveAWorkspaceSize) {
+  const AttentionArgs a = make();
+  const size_t bytes = workspace_bytes(a);
+  // Quantized K and V (one byte each, padded to a 128-token tile) plus small scale arrays.
+  EXPECT_GE(bytes, size_t(2 * B * H * 128 * D));
+  EXPECT_LE(bytes, size_t(2 * B * H * 128 * D + 64 * 1024));
+}
+
+TEST_F(GpuArgs, RecipeWithoutKernelIsRefusedByName) {
+  AttentionArgs a = make();
+  a.recipe = preset("sage3_fp4");
+  expect_error(a, "recipe", "'sage3_fp4' has no sm_90 kernel yet");
+}
+
+TEST_F(GpuArgs, MisalignedInputPointer) {
+  AttentionArgs a = make();
+  a.q.data = static_cast<uint16_t*>(a.q.data) + 1;  // a storage offset of one element
+  expect_error(a, "q", "aligned to 16 bytes");
+}
+
+TEST_F(GpuArgs, InputStrideNotAMultipleOfEight) {
+  AttentionArgs a = make();
+  a.k = strided_view(a.k.data, DType::f16, {B, H, N, D}, {H * N * 68, N * 68, 68, 1}, Device::cuda(0));
+  expect_error(a, "k", "strides[2] to be a multiple of 8");
+}
+
+TEST_F(GpuArgs, MisalignedOutputPointer) {
+  AttentionArgs a = make();
+  a.out.data = static_cast<uint16_t*>(a.out.data) + 1;
+  expect_error(a, "out", "aligned to 4 bytes");
+}
+
+TEST_F(GpuArgs, HeadDimWithoutKernel) {
+  AttentionArgs a = make();
+  for (TensorView* t : {&a.q, &a.k, &a.v, &a.out}) t->shape[3] = 96;
+  expect_error(a, "q", "head_dim must be one of");
+}
+
+TEST_F(GpuArgs, WorkspaceTooSmallOrMissing) {
+  const AttentionArgs a = make();
+  const size_t need = workspace_bytes(a);
+  try {
+    attention(a, storage(), need - 1, nullptr);
+    ADD_FAILURE() << "a short workspace was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "workspace_size");
+    EXPECT_NE(std::string(e.what()).find(std::to_string(need)), std::string::npos) << e.what();
+  }
+  try {
+    attention(a, nullptr, need, nullptr);
+    ADD_FAILURE() << "a null workspace was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "workspace");
+  }
+  try {
+    attention(a, static_cast<uint8_t*>(storage()) + 16, need, nullptr);
+    ADD_FAILURE() << "a misaligned workspace was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "workspace");
+  }
+}
+#else
+TEST(GpuArgs, NeedACudaBuild) {
+  GTEST_SKIP() << "built without CUDA (SAGE_CUDA=OFF): the GPU argument checks are not linked";
+}
+#endif
+
+}  // namespace
