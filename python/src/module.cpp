@@ -106,6 +106,13 @@ PyObject* g_cuda_error = nullptr;
 }  // namespace
 }  // namespace sagepy
 
+// The keyword arguments of every entry point that takes an attention call, in order.
+#define SAGEKIT_CALL_KWARGS                                                                     \
+  "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none() = nb::none(),       \
+      "layout"_a = "HND", "causal"_a = false, "sm_scale"_a = nb::none(),                        \
+      "recipe"_a.none() = "sage2_8b", "q_scale"_a.none() = nb::none(),                          \
+      "k_scale"_a.none() = nb::none(), "v_scale"_a.none() = nb::none()
+
 NB_MODULE(_C, m) {
   using namespace sagepy;
   m.doc() = "sagekit's C++ library (quantized attention) bound through DLPack.";
@@ -210,50 +217,34 @@ NB_MODULE(_C, m) {
         fill(c, q, k, v, out, lse, layout, causal, sm_scale, recipe, q_scale, k_scale, v_scale);
         return sage::workspace_bytes(c.args);
       },
-      "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none() = nb::none(), "layout"_a = "HND", "causal"_a = false,
-      "sm_scale"_a = nb::none(), "recipe"_a.none() = "sage2_8b", "q_scale"_a.none() = nb::none(),
-      "k_scale"_a.none() = nb::none(), "v_scale"_a.none() = nb::none(),
+      SAGEKIT_CALL_KWARGS,
       (std::string("Bytes of device workspace attention() needs for these arguments. ") +
        common_doc)
           .c_str());
 
-  m.def(
-      "simulate",
-      [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
-         const std::string& layout, bool causal, std::optional<double> sm_scale,
-         nb::handle recipe, nb::handle q_scale, nb::handle k_scale, nb::handle v_scale) {
-        Call c;
-        fill(c, q, k, v, out, lse, layout, causal, sm_scale, recipe, q_scale, k_scale, v_scale);
-        require_host(c.args);
-        nb::gil_scoped_release unlocked;
-        sage::reference::simulate(c.args);
-      },
-      "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none() = nb::none(), "layout"_a = "HND", "causal"_a = false,
-      "sm_scale"_a = nb::none(), "recipe"_a.none() = "sage2_8b", "q_scale"_a.none() = nb::none(),
-      "k_scale"_a.none() = nb::none(), "v_scale"_a.none() = nb::none(),
-      (std::string("The recipe computed on the CPU with exactly the GPU kernel's quantization; "
-                   "host arrays only. ") +
-       common_doc)
-          .c_str());
-
-  m.def(
-      "exact",
-      [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
-         const std::string& layout, bool causal, std::optional<double> sm_scale,
-         nb::handle recipe, nb::handle q_scale, nb::handle k_scale, nb::handle v_scale) {
-        Call c;
-        fill(c, q, k, v, out, lse, layout, causal, sm_scale, recipe, q_scale, k_scale, v_scale);
-        require_host(c.args);
-        nb::gil_scoped_release unlocked;
-        sage::reference::exact(c.args);
-      },
-      "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none() = nb::none(), "layout"_a = "HND", "causal"_a = false,
-      "sm_scale"_a = nb::none(), "recipe"_a.none() = "sage2_8b", "q_scale"_a.none() = nb::none(),
-      "k_scale"_a.none() = nb::none(), "v_scale"_a.none() = nb::none(),
-      (std::string("Attention in float64 on the CPU (the recipe only matters for prequantized "
-                   "inputs); host arrays only. ") +
-       common_doc)
-          .c_str());
+  // The CPU references share everything but the function they call.
+  auto host_reference = [](void (*reference)(const sage::AttentionArgs&)) {
+    return [reference](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+                       const std::string& layout, bool causal, std::optional<double> sm_scale,
+                       nb::handle recipe, nb::handle q_scale, nb::handle k_scale,
+                       nb::handle v_scale) {
+      Call c;
+      fill(c, q, k, v, out, lse, layout, causal, sm_scale, recipe, q_scale, k_scale, v_scale);
+      require_host(c.args);
+      nb::gil_scoped_release unlocked;
+      reference(c.args);
+    };
+  };
+  m.def("simulate", host_reference(&sage::reference::simulate), SAGEKIT_CALL_KWARGS,
+        (std::string("The recipe computed on the CPU with exactly the GPU kernel's quantization; "
+                     "host arrays only. ") +
+         common_doc)
+            .c_str());
+  m.def("exact", host_reference(&sage::reference::exact), SAGEKIT_CALL_KWARGS,
+        (std::string("Attention in float64 on the CPU (the recipe only matters for prequantized "
+                     "inputs); host arrays only. ") +
+         common_doc)
+            .c_str());
 
   m.def(
       "check_args",
@@ -269,9 +260,7 @@ NB_MODULE(_C, m) {
         else throw sage::Error("device", "must be 'cuda' or 'cpu' (got '" + device + "')");
         return problem_dict(sage::check_args(c.args, kind));
       },
-      "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none() = nb::none(), "layout"_a = "HND", "causal"_a = false,
-      "sm_scale"_a = nb::none(), "recipe"_a.none() = "sage2_8b", "q_scale"_a.none() = nb::none(),
-      "k_scale"_a.none() = nb::none(), "v_scale"_a.none() = nb::none(), "device"_a = "cuda",
+      SAGEKIT_CALL_KWARGS, "device"_a = "cuda",
       "Checks the arguments as the entry points do (device 'cuda' or 'cpu') and returns the "
       "problem's shape as a dict; raises ArgumentError naming the first bad argument.");
 
