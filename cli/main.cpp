@@ -7,6 +7,10 @@
 #include "common.h"
 #include "sage/error.h"
 
+namespace sage::cli {
+int run_calibrate(const std::vector<std::string>& args);  // cli/calibrate.cpp
+}
+
 namespace {
 
 struct Command {
@@ -23,6 +27,8 @@ const Command kCommands[] = {
     {"bench", "time the GPU kernels over the benchmark grid (whole call, TOPS)",
      sage::cli::run_bench},
     {"docs", "write docs/recipes.md (presets, simulated error, GPU speed)", sage::cli::run_docs},
+    {"calibrate", "pick a recipe per layer from sample Q/K/V and measured speeds",
+     sage::cli::run_calibrate},
 };
 
 void usage(std::ostream& os) {
@@ -30,7 +36,7 @@ void usage(std::ostream& os) {
         "Quantized attention (the SageAttention family): presets, accuracy, speed.\n\n"
         "commands:\n";
   for (const Command& c : kCommands)
-    os << "  " << c.name << std::string(9 - std::string(c.name).size(), ' ') << c.summary << "\n";
+    os << "  " << c.name << std::string(11 - std::string(c.name).size(), ' ') << c.summary << "\n";
   os << "\n'sage <command> --help' lists a command's flags.\n";
 }
 
