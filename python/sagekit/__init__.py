@@ -8,6 +8,7 @@ built on the custom ops in sagekit.ops (torch.ops.sagekit.*).
 from . import _C
 from ._C import ArgumentError, CudaError, gpu_available, gpu_head_dims
 from ._recipes import presets, recipe
+from .calibration import calibrate, load_layer_choices
 from .reference import exact, simulate
 
 __version__ = _C.__version__
@@ -39,7 +40,7 @@ else:
     SdpaPatch = None
 
 __all__ = [
-    "ArgumentError", "CudaError", "SdpaPatch", "cuda_built", "exact", "gpu_available",
-    "gpu_head_dims", "ops", "patch_sdpa", "presets", "recipe", "sageattn",
+    "ArgumentError", "CudaError", "SdpaPatch", "calibrate", "cuda_built", "exact", "gpu_available",
+    "gpu_head_dims", "load_layer_choices", "ops", "patch_sdpa", "presets", "recipe", "sageattn",
     "scaled_dot_product_attention", "simulate",
 ]

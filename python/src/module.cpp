@@ -18,6 +18,7 @@
 
 #include "recipes.h"
 #include "sage/attention.h"
+#include "sage/calibrate.h"
 #include "sage/error.h"
 #include "views.h"
 
@@ -282,6 +283,62 @@ NB_MODULE(_C, m) {
       "recipe_spec", [](nb::handle spec) { return recipe_to_spec(recipe_from(spec)); },
       "spec"_a.none(),
       "The canonical spec string of a recipe: a plain str that names every option.");
+  // Per-layer recipe selection over host arrays; the result is the calibration JSON text.
+  m.def(
+      "calibrate",
+      [](nb::list layers, nb::handle speeds, std::optional<std::vector<std::string>> recipes,
+         double threshold, bool causal, const std::string& layout,
+         std::optional<double> sm_scale, int64_t speed_tokens) {
+        ViewSet arrays;
+        std::vector<sage::LayerSamples> samples;
+        for (size_t i = 0; i < layers.size(); ++i) {
+          nb::sequence qkv = nb::cast<nb::sequence>(layers[i]);
+          if (nb::len(qkv) != 3)
+            throw sage::Error("layers", "item " + std::to_string(i) + " must be a (q, k, v) triple");
+          sage::LayerSamples l{arrays.input(qkv[0], "q"), arrays.input(qkv[1], "k"),
+                               arrays.input(qkv[2], "v")};
+          sage::AttentionArgs probe;
+          probe.q = l.q, probe.k = l.k, probe.v = l.v;
+          require_host(probe);
+          samples.push_back(l);
+        }
+        sage::SpeedTable table;
+        if (nb::isinstance<nb::str>(speeds)) {
+          table = sage::load_speed_table(nb::cast<std::string>(speeds));
+        } else {
+          for (nb::handle e : nb::cast<nb::list>(speeds)) {
+            nb::dict d = nb::cast<nb::dict>(e);
+            table.add({nb::cast<std::string>(d["recipe"]), nb::cast<int64_t>(d["d"]),
+                       nb::cast<bool>(d["causal"]), nb::cast<int64_t>(d["n"]),
+                       nb::cast<double>(d["tops"])});
+          }
+        }
+        sage::CalibrationOptions o;
+        if (recipes) o.candidates = *recipes;
+        o.threshold = threshold;
+        o.causal = causal;
+        o.layout = layout_of(layout);
+        if (sm_scale) o.sm_scale = static_cast<float>(*sm_scale);
+        o.speed_tokens = speed_tokens;
+        sage::Calibration c;
+        {
+          nb::gil_scoped_release unlocked;
+          c = sage::calibrate(samples, table, o);
+        }
+        return sage::calibration_json(c);
+      },
+      "layers"_a, "speeds"_a, "recipes"_a = nb::none(), "threshold"_a = 0.998, "causal"_a = false,
+      "layout"_a = "HND", "sm_scale"_a = nb::none(), "speed_tokens"_a = 0,
+      "Per-layer recipe selection (docs/calibration.md) on host arrays; returns the JSON text.");
+  m.def(
+      "load_layer_choices",
+      [](const std::string& path) {
+        std::vector<std::string> names;
+        for (const sage::Recipe& r : sage::load_layer_choices(path)) names.push_back(r.name);
+        return names;
+      },
+      "path"_a, "The recipe name of each layer, from a calibration file.");
+
   m.def("gpu_available", &sage::gpu_available,
         "True when this build has GPU kernels and a device of compute capability 9.0 is "
         "present.");
