@@ -244,30 +244,9 @@ std::string sci(double v, int digits) {
 
 // ---- JSON ---------------------------------------------------------------------------------
 
-std::string json_quote(const std::string& s) {
-  std::string out = "\"";
-  for (unsigned char ch : s) {
-    switch (ch) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      case '\r': out += "\\r"; break;
-      default:
-        if (ch < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", ch);
-          out += buf;
-        } else {
-          out += static_cast<char>(ch);
-        }
-    }
-  }
-  return out + "\"";
-}
 
 JsonRecord& JsonRecord::str(const std::string& key, const std::string& v) {
-  fields_.emplace_back(key, json_quote(v));
+  fields_.emplace_back(key, json_string(v));
   return *this;
 }
 
@@ -295,7 +274,7 @@ JsonRecord& JsonRecord::boolean(const std::string& key, bool v) {
 std::string JsonRecord::dump() const {
   std::string out = "{";
   for (size_t i = 0; i < fields_.size(); ++i)
-    out += (i ? ", " : "") + json_quote(fields_[i].first) + ": " + fields_[i].second;
+    out += (i ? ", " : "") + json_string(fields_[i].first) + ": " + fields_[i].second;
   return out + "}";
 }
 
@@ -317,135 +296,6 @@ void write_json_file(const std::string& command, const std::string& path, const 
   if (!f) throw UsageError(command + ": --json " + path + " could not be written completely");
 }
 
-const Json* Json::get(const std::string& key) const {
-  for (const auto& m : members)
-    if (m.first == key) return &m.second;
-  return nullptr;
-}
-
-namespace {
-
-class JsonParser {
- public:
-  explicit JsonParser(const std::string& t) : t_(t) {}
-  Json document() {
-    Json v = value();
-    ws();
-    if (i_ != t_.size()) fail("trailing characters");
-    return v;
-  }
-
- private:
-  [[noreturn]] void fail(const std::string& what) const {
-    throw std::runtime_error("invalid JSON at byte " + std::to_string(i_) + ": " + what);
-  }
-  void ws() {
-    while (i_ < t_.size() && std::isspace(static_cast<unsigned char>(t_[i_]))) ++i_;
-  }
-  bool eat(const char* word) {
-    const size_t n = std::char_traits<char>::length(word);
-    if (t_.compare(i_, n, word) != 0) return false;
-    i_ += n;
-    return true;
-  }
-  Json value() {
-    ws();
-    if (i_ >= t_.size()) fail("unexpected end");
-    Json v;
-    const char c = t_[i_];
-    if (c == '{') {
-      v.kind = Json::object;
-      ++i_;
-      ws();
-      if (i_ < t_.size() && t_[i_] == '}') { ++i_; return v; }
-      for (;;) {
-        ws();
-        if (i_ >= t_.size() || t_[i_] != '"') fail("expected a key");
-        std::string key = string();
-        ws();
-        if (i_ >= t_.size() || t_[i_] != ':') fail("expected ':'");
-        ++i_;
-        v.members.emplace_back(std::move(key), value());
-        ws();
-        if (i_ < t_.size() && t_[i_] == ',') { ++i_; continue; }
-        if (i_ < t_.size() && t_[i_] == '}') { ++i_; return v; }
-        fail("expected ',' or '}'");
-      }
-    }
-    if (c == '[') {
-      v.kind = Json::array;
-      ++i_;
-      ws();
-      if (i_ < t_.size() && t_[i_] == ']') { ++i_; return v; }
-      for (;;) {
-        v.items.push_back(value());
-        ws();
-        if (i_ < t_.size() && t_[i_] == ',') { ++i_; continue; }
-        if (i_ < t_.size() && t_[i_] == ']') { ++i_; return v; }
-        fail("expected ',' or ']'");
-      }
-    }
-    if (c == '"') {
-      v.kind = Json::string;
-      v.str = string();
-      return v;
-    }
-    if (eat("true")) { v.kind = Json::boolean; v.b = true; return v; }
-    if (eat("false")) { v.kind = Json::boolean; return v; }
-    if (eat("null")) return v;
-    if (eat("NaN")) { v.kind = Json::number; v.num = NAN; return v; }  // Python's json writes it
-    const char* begin = t_.c_str() + i_;
-    char* end = nullptr;
-    v.num = std::strtod(begin, &end);
-    if (end == begin) fail("unexpected character");
-    v.kind = Json::number;
-    i_ += static_cast<size_t>(end - begin);
-    return v;
-  }
-  std::string string() {
-    ++i_;  // opening quote
-    std::string out;
-    while (i_ < t_.size() && t_[i_] != '"') {
-      char c = t_[i_++];
-      if (c != '\\') { out += c; continue; }
-      if (i_ >= t_.size()) break;
-      c = t_[i_++];
-      switch (c) {
-        case 'n': out += '\n'; break;
-        case 't': out += '\t'; break;
-        case 'r': out += '\r'; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
-        case 'u': {
-          if (i_ + 4 > t_.size()) fail("short \\u escape");
-          const unsigned cp = static_cast<unsigned>(std::stoul(t_.substr(i_, 4), nullptr, 16));
-          i_ += 4;
-          if (cp < 0x80) {
-            out += static_cast<char>(cp);
-          } else if (cp < 0x800) {
-            out += static_cast<char>(0xC0 | (cp >> 6));
-            out += static_cast<char>(0x80 | (cp & 0x3F));
-          } else {
-            out += static_cast<char>(0xE0 | (cp >> 12));
-            out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-            out += static_cast<char>(0x80 | (cp & 0x3F));
-          }
-          break;
-        }
-        default: out += c;
-      }
-    }
-    if (i_ >= t_.size()) fail("unterminated string");
-    ++i_;
-    return out;
-  }
-  const std::string& t_;
-  size_t i_ = 0;
-};
-
-}  // namespace
-
-Json parse_json(const std::string& text) { return JsonParser(text).document(); }
 
 // ---- progress -----------------------------------------------------------------------------
 

@@ -1,6 +1,8 @@
 // Shared pieces of the `sage` command: flag parsing, aligned tables, JSON, progress lines.
 #pragma once
 
+#include "common/json.h"  // JsonValue, parse_json, json_string: the library's one JSON
+
 #include <chrono>
 #include <cstdint>
 #include <iosfwd>
@@ -105,7 +107,6 @@ class JsonRecord {
   std::vector<std::pair<std::string, std::string>> fields_;  // key, serialized value
 };
 
-std::string json_quote(const std::string& s);
 // Fails before a long run rather than after it when --json names a place that cannot be
 // written.
 void check_writable(const std::string& command, const std::string& path);
@@ -114,18 +115,6 @@ void check_writable(const std::string& command, const std::string& path);
 void write_json_file(const std::string& command, const std::string& path, const JsonRecord& meta,
                      const std::vector<JsonRecord>& records);
 
-// A parsed JSON value (enough to read result files back; no streaming, no \u surrogates).
-struct Json {
-  enum Kind { null, boolean, number, string, array, object } kind = null;
-  bool b = false;
-  double num = 0;
-  std::string str;
-  std::vector<Json> items;
-  std::vector<std::pair<std::string, Json>> members;
-  const Json* get(const std::string& key) const;
-};
-// Throws std::runtime_error with the byte offset on malformed input.
-Json parse_json(const std::string& text);
 
 // ---- progress -----------------------------------------------------------------------------
 

@@ -142,27 +142,27 @@ struct SpeedPoint {
   double tops = NAN;
 };
 
-void collect(const Json& j, std::vector<const Json*>& out) {
-  if (j.kind == Json::object) {
+void collect(const JsonValue& j, std::vector<const JsonValue*>& out) {
+  if (j.kind == JsonValue::object) {
     if (j.get("tops") && j.get("d") && j.get("n")) {
       out.push_back(&j);
       return;
     }
     for (const auto& m : j.members) collect(m.second, out);
-  } else if (j.kind == Json::array) {
+  } else if (j.kind == JsonValue::array) {
     for (const auto& i : j.items) collect(i, out);
   }
 }
 
-bool is_false(const Json* j) {
+bool is_false(const JsonValue* j) {
   if (!j) return false;
-  if (j->kind == Json::boolean) return !j->b;
-  if (j->kind == Json::number) return j->num == 0;
-  if (j->kind == Json::string) return j->str == "no" || j->str == "false" || j->str == "0";
+  if (j->kind == JsonValue::boolean) return !j->b;
+  if (j->kind == JsonValue::number) return j->num == 0;
+  if (j->kind == JsonValue::string) return j->str == "no" || j->str == "false" || j->str == "0";
   return false;
 }
 
-std::string text(const Json* j) { return j && j->kind == Json::string ? j->str : ""; }
+std::string text(const JsonValue* j) { return j && j->kind == JsonValue::string ? j->str : ""; }
 
 // The records at d = 128, non-causal, N = 16K; fp16 ones win over others of the same
 // implementation and recipe.
@@ -171,22 +171,22 @@ std::vector<SpeedPoint> read_speed(const std::string& path, std::string* problem
   if (!f) return {};
   std::stringstream ss;
   ss << f.rdbuf();
-  Json doc;
+  JsonValue doc;
   try {
     doc = parse_json(ss.str());
   } catch (const std::exception& e) {
     *problem = e.what();
     return {};
   }
-  std::vector<const Json*> recs;
+  std::vector<const JsonValue*> recs;
   collect(doc, recs);
   std::map<std::pair<std::string, std::string>, SpeedPoint> best;
-  for (const Json* r : recs) {
-    const Json *d = r->get("d"), *n = r->get("n"), *t = r->get("tops");
-    if (!d || d->kind != Json::number || d->num != 128) continue;
-    if (!n || n->kind != Json::number || n->num != 16384) continue;
+  for (const JsonValue* r : recs) {
+    const JsonValue *d = r->get("d"), *n = r->get("n"), *t = r->get("tops");
+    if (!d || d->kind != JsonValue::number || d->num != 128) continue;
+    if (!n || n->kind != JsonValue::number || n->num != 16384) continue;
     if (!is_false(r->get("causal"))) continue;
-    if (!t || t->kind != Json::number) continue;
+    if (!t || t->kind != JsonValue::number) continue;
     SpeedPoint p;
     p.impl = r->get("impl") ? text(r->get("impl")) : "sagekit";
     p.recipe = text(r->get("recipe"));

@@ -4,7 +4,7 @@
 #include <fstream>
 #include <set>
 
-#include "calibrate/json.h"
+#include "common/json.h"
 #include "reference/metrics.h"
 #include "reference/tensor_io.h"
 #include "sage/attention.h"
@@ -81,7 +81,7 @@ Calibration calibrate(const std::vector<LayerSamples>& layers, const SpeedTable&
   c.candidates = options.candidates.empty() ? default_candidates() : options.candidates;
   const std::vector<const Recipe*> recipes = resolve_candidates(c.candidates);
   if (!(options.threshold > 0 && options.threshold <= 1))
-    throw Error("threshold", "must be in (0, 1] (got " + calib::json_number(options.threshold) + ")");
+    throw Error("threshold", "must be in (0, 1] (got " + json_number(options.threshold) + ")");
   if (layers.empty()) throw Error("layers", "no layers to calibrate");
   if (options.speed_tokens < 0) throw Error("speed_tokens", "must be >= 0");
   c.threshold = options.threshold;
@@ -165,8 +165,6 @@ Calibration calibrate(const std::vector<LayerSamples>& layers, const SpeedTable&
 }
 
 std::string calibration_json(const Calibration& c) {
-  using calib::json_number;
-  using calib::json_string;
   std::string o = "{\n";
   o += "  \"version\": 1,\n";
   o += "  \"threshold\": " + json_number(c.threshold) + ",\n";
@@ -202,31 +200,31 @@ std::vector<Recipe> load_layer_choices(const std::string& path) {
     throw Error("calibration_file", path + ": " + field + ": " + why);
   };
   std::string text;
-  if (!calib::read_text_file(path, &text)) throw Error("calibration_file", path + ": cannot be opened");
-  calib::JsonValue doc;
+  if (!read_text_file(path, &text)) throw Error("calibration_file", path + ": cannot be opened");
+  JsonValue doc;
   try {
-    doc = calib::parse_json(text);
+    doc = parse_json(text);
   } catch (const std::runtime_error& e) {
     fail("(file)", std::string("not valid JSON (") + e.what() + ")");
   }
-  if (doc.kind != calib::JsonValue::object) fail("(file)", "expected a JSON object");
-  const calib::JsonValue* version = doc.get("version");
-  if (!version || version->kind != calib::JsonValue::number) fail("version", "missing");
-  if (version->num != 1) fail("version", "must be 1 (got " + calib::json_number(version->num) + ")");
-  const calib::JsonValue* layers = doc.get("layers");
-  if (!layers || layers->kind != calib::JsonValue::array) fail("layers", "missing or not an array");
+  if (doc.kind != JsonValue::object) fail("(file)", "expected a JSON object");
+  const JsonValue* version = doc.get("version");
+  if (!version || version->kind != JsonValue::number) fail("version", "missing");
+  if (version->num != 1) fail("version", "must be 1 (got " + json_number(version->num) + ")");
+  const JsonValue* layers = doc.get("layers");
+  if (!layers || layers->kind != JsonValue::array) fail("layers", "missing or not an array");
   if (layers->items.empty()) fail("layers", "is empty");
   std::vector<Recipe> out;
   for (size_t i = 0; i < layers->items.size(); ++i) {
-    const calib::JsonValue& l = layers->items[i];
+    const JsonValue& l = layers->items[i];
     const std::string at = "layers[" + std::to_string(i) + "]";
-    if (l.kind != calib::JsonValue::object) fail(at, "not an object");
-    const calib::JsonValue* index = l.get("layer");
+    if (l.kind != JsonValue::object) fail(at, "not an object");
+    const JsonValue* index = l.get("layer");
     // The position is the layer: a reordered or missing entry would shift every later layer.
-    if (!index || index->kind != calib::JsonValue::number || index->num != static_cast<double>(i))
+    if (!index || index->kind != JsonValue::number || index->num != static_cast<double>(i))
       fail(at + ".layer", "must be " + std::to_string(i) + " (layers are listed in order, from 0)");
-    const calib::JsonValue* name = l.get("recipe");
-    if (!name || name->kind != calib::JsonValue::string) fail(at + ".recipe", "missing or not a string");
+    const JsonValue* name = l.get("recipe");
+    if (!name || name->kind != JsonValue::string) fail(at + ".recipe", "missing or not a string");
     try {
       out.push_back(preset(name->str));
     } catch (const Error& e) {

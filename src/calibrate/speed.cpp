@@ -3,7 +3,7 @@
 #include <cmath>
 #include <set>
 
-#include "calibrate/json.h"
+#include "common/json.h"
 #include "sage/calibrate.h"
 #include "sage/error.h"
 
@@ -46,51 +46,51 @@ std::optional<SpeedEntry> SpeedTable::lookup(const std::string& recipe, int64_t 
 
 SpeedTable load_speed_table(const std::string& path) {
   std::string text;
-  if (!calib::read_text_file(path, &text)) throw Error("speeds", path + ": cannot be opened");
-  calib::JsonValue doc;
+  if (!read_text_file(path, &text)) throw Error("speeds", path + ": cannot be opened");
+  JsonValue doc;
   try {
-    doc = calib::parse_json(text);
+    doc = parse_json(text);
   } catch (const std::runtime_error& e) {
     throw Error("speeds", path + ": not valid JSON (" + e.what() + ")");
   }
   // bench/results/*.json is a bare array; `sage bench --json` wraps it in {"records": [...]}.
-  const calib::JsonValue* records = &doc;
-  if (doc.kind == calib::JsonValue::object) records = doc.get("records");
-  if (!records || records->kind != calib::JsonValue::array)
+  const JsonValue* records = &doc;
+  if (doc.kind == JsonValue::object) records = doc.get("records");
+  if (!records || records->kind != JsonValue::array)
     throw Error("speeds", path + ": expected an array of bench records (or an object with "
                                  "\"records\")");
   SpeedTable t;
   std::set<std::string> devices;
   for (size_t i = 0; i < records->items.size(); ++i) {
-    const calib::JsonValue& r = records->items[i];
+    const JsonValue& r = records->items[i];
     const std::string where = path + ": record " + std::to_string(i) + ": ";
-    if (r.kind != calib::JsonValue::object) throw Error("speeds", where + "not an object");
-    const calib::JsonValue* impl = r.get("impl");
-    if (impl && (impl->kind != calib::JsonValue::string || impl->str != "sagekit")) continue;
-    const calib::JsonValue* whole = r.get("whole_call");
-    if (whole && whole->kind == calib::JsonValue::boolean && !whole->b) continue;
-    auto field = [&](const char* key, calib::JsonValue::Kind kind) -> const calib::JsonValue& {
-      const calib::JsonValue* v = r.get(key);
+    if (r.kind != JsonValue::object) throw Error("speeds", where + "not an object");
+    const JsonValue* impl = r.get("impl");
+    if (impl && (impl->kind != JsonValue::string || impl->str != "sagekit")) continue;
+    const JsonValue* whole = r.get("whole_call");
+    if (whole && whole->kind == JsonValue::boolean && !whole->b) continue;
+    auto field = [&](const char* key, JsonValue::Kind kind) -> const JsonValue& {
+      const JsonValue* v = r.get(key);
       if (!v || v->kind != kind)
         throw Error("speeds", where + "\"" + key + "\" is missing or has the wrong type");
       return *v;
     };
     SpeedEntry e;
-    e.recipe = field("recipe", calib::JsonValue::string).str;
-    e.head_dim = static_cast<int64_t>(field("d", calib::JsonValue::number).num);
-    e.causal = field("causal", calib::JsonValue::boolean).b;
-    e.n = static_cast<int64_t>(field("n", calib::JsonValue::number).num);
-    const calib::JsonValue* tops = r.get("tops");
+    e.recipe = field("recipe", JsonValue::string).str;
+    e.head_dim = static_cast<int64_t>(field("d", JsonValue::number).num);
+    e.causal = field("causal", JsonValue::boolean).b;
+    e.n = static_cast<int64_t>(field("n", JsonValue::number).num);
+    const JsonValue* tops = r.get("tops");
     // A failed or skipped measurement is written as null: it is not a speed.
-    if (!tops || tops->kind != calib::JsonValue::number) continue;
+    if (!tops || tops->kind != JsonValue::number) continue;
     e.tops = tops->num;
     try {
       t.add(e);
     } catch (const Error& err) {
       throw Error("speeds", where + err.what());
     }
-    const calib::JsonValue* dev = r.get("device");
-    if (dev && dev->kind == calib::JsonValue::string) devices.insert(dev->str);
+    const JsonValue* dev = r.get("device");
+    if (dev && dev->kind == JsonValue::string) devices.insert(dev->str);
   }
   t.source = path;
   if (!devices.empty()) {

@@ -1,13 +1,14 @@
-#include "calibrate/json.h"
+#include "common/json.h"
 
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
 
-namespace sage::calib {
+namespace sage {
 
 const JsonValue* JsonValue::get(const std::string& key) const {
   for (const auto& m : members)
@@ -90,6 +91,15 @@ class Parser {
       v.kind = JsonValue::boolean;
     } else if (word("null")) {
       v.kind = JsonValue::null;
+    } else if (word("NaN")) {
+      v.kind = JsonValue::number;
+      v.num = std::numeric_limits<double>::quiet_NaN();
+    } else if (word("Infinity")) {
+      v.kind = JsonValue::number;
+      v.num = std::numeric_limits<double>::infinity();
+    } else if (word("-Infinity")) {
+      v.kind = JsonValue::number;
+      v.num = -std::numeric_limits<double>::infinity();
     } else if (c == '-' || (c >= '0' && c <= '9')) {
       const char* begin = t_.c_str() + i_;
       char* end = nullptr;
@@ -196,4 +206,4 @@ bool read_text_file(const std::string& path, std::string* out) {
   return true;
 }
 
-}  // namespace sage::calib
+}  // namespace sage

@@ -1,13 +1,13 @@
-// The little JSON the calibration files need: a strict parser for bench results and choice
-// files, and number formatting that round-trips. The library cannot use the CLI's reader
-// (the CLI links the library, not the other way round).
+// The little JSON the project reads and writes (bench results, calibration files): a strict
+// parser and number formatting that round-trips. One copy, in the library, used by the
+// calibration code and by the `sage` command alike.
 #pragma once
 
 #include <string>
 #include <utility>
 #include <vector>
 
-namespace sage::calib {
+namespace sage {
 
 struct JsonValue {
   enum Kind { null, boolean, number, string, array, object } kind = null;
@@ -19,7 +19,8 @@ struct JsonValue {
   const JsonValue* get(const std::string& key) const;
 };
 
-// Throws std::runtime_error("byte <offset>: <problem>") on malformed input.
+// Throws std::runtime_error("byte <offset>: <problem>") on malformed input. Also accepts the
+// NaN, Infinity and -Infinity that Python's json module writes for non-finite floats.
 JsonValue parse_json(const std::string& text);
 
 std::string json_string(const std::string& s);
@@ -29,4 +30,4 @@ std::string json_number(double v);
 // Whole file as a string; false when it cannot be opened.
 bool read_text_file(const std::string& path, std::string* out);
 
-}  // namespace sage::calib
+}  // namespace sage
