@@ -21,11 +21,13 @@
 
 namespace sage::sm90 {
 
+// Build-time knobs for experiments (docs/performance.md), e.g.
+// -DCMAKE_CUDA_FLAGS="-DSAGE_SM90_STAGES=2"; the defaults are what was measured.
 #ifndef SAGE_SM90_SETMAXNREG
 #define SAGE_SM90_SETMAXNREG 1
 #endif
 #ifndef SAGE_SM90_STAGES
-#define SAGE_SM90_STAGES 3  // tiles i-1 and i in use while i+1 loads
+#define SAGE_SM90_STAGES 3  // the producer runs up to two K/V tiles ahead of the consumers
 #endif
 constexpr int kStages = SAGE_SM90_STAGES;
 constexpr int kThreads = 384;
