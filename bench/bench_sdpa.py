@@ -7,6 +7,12 @@ median of CUDA-event timings after warm-up, grid d in {64, 128} x causal x N in 
 far beyond the 50 MB L2, so consecutive calls cannot hit in cache; two input sets are still
 alternated. Also records accuracy against float64 attention on a slice of the same inputs.
 
+Besides the whole call, sagekit is also timed kernel-only: K/V of each input set are
+quantized once (sagekit.quantize_kv) and only the attention kernel runs in the timed loop
+(sagekit.sageattn_quantized_kv, which gives the same output bit for bit). Those are extra
+records of impl "sagekit" with whole_call false; the difference to the whole-call time is
+the K/V pre-pass. --no-kernel-only skips them.
+
 Writes a JSON list of records (impl, recipe, d, causal, n, batch, heads, dtype, whole_call,
 ms, tops, device) and a Markdown table.
 """
@@ -37,6 +43,25 @@ def median_ms(fn, warmup, iters):
     return times[len(times) // 2]
 
 
+def markdown_table(records, dev, iters, recipe):
+    """One row per grid point: TOPS of each implementation and the ratios of whole calls; the
+    kernel-only column (records with whole_call false) shows what the K/V pre-pass costs."""
+    lines = [f"Whole-call TOPS on {dev} (median of {iters} CUDA-event timings; recipe {recipe}); "
+             "sagekit kernel-only: the attention kernel alone, on K/V quantized once.", "",
+             "| dtype | d | causal | N | sagekit | sagekit kernel-only | torch-flash | torch-cudnn | vs flash | vs cuDNN |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    keyed = {}
+    for r in records:
+        impl = r["impl"] if r.get("whole_call", True) else r["impl"] + " kernel-only"
+        keyed.setdefault((r["dtype"], r["d"], r["causal"], r["n"]), {})[impl] = r["tops"]
+    for (dt, d, c, n), row in keyed.items():
+        s, fl, cu = row.get("sagekit", math.nan), row.get("torch-flash", math.nan), row.get("torch-cudnn", math.nan)
+        kern = row.get("sagekit kernel-only", math.nan)
+        lines.append(f"| {dt} | {d} | {'yes' if c else 'no'} | {n} | {s:.0f} | {kern:.0f} | {fl:.0f} | {cu:.0f} | "
+                     f"{s / fl:.2f} | {s / cu:.2f} |")
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dims", default="64,128")
@@ -48,9 +73,18 @@ def main():
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--kernel-only", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time sagekit's attention kernel alone on K/V quantized once")
     ap.add_argument("--json", required=True)
     ap.add_argument("--markdown", required=True)
+    ap.add_argument("--recipes", default=None, metavar="all|NAME[,NAME..]",
+                    help="instead of the side-by-side run: sagekit alone, whole call, for each of these "
+                         "presets (all: every preset) on the grid above; records of impl sagekit named by "
+                         "recipe, refusals recorded (bench/bench_recipes.py)")
     args = ap.parse_args()
+    if args.recipes:
+        from bench_recipes import run_recipes  # bench/, the script's own folder
+        return run_recipes(args, median_ms)
 
     import sagekit
 
@@ -68,23 +102,36 @@ def main():
         impls = {
             "sagekit": lambda i=0: sagekit.sageattn(*sets[i % 2], is_causal=bool(causal), recipe=args.recipe),
         }
+        # Kernel-only: K/V of both input sets quantized once, outside the timed calls.
+        kernel_only, kvs = None, []
+        if args.kernel_only:
+            try:
+                kvs = [sagekit.quantize_kv(k, v, recipe=args.recipe) for _, k, v in sets]
+                kernel_only = lambda i=0: sagekit.sageattn_quantized_kv(  # noqa: E731
+                    sets[i % 2][0], kvs[i % 2], is_causal=bool(causal))
+            except Exception as e:  # an older package without the two-step API, say
+                print(f"  sagekit kernel-only: failed: {e}", file=sys.stderr)
         for name, backend in (("torch-flash", SDPBackend.FLASH_ATTENTION), ("torch-cudnn", SDPBackend.CUDNN_ATTENTION)):
             def run(i=0, backend=backend):
                 with sdpa_kernel(backend):
                     return F.scaled_dot_product_attention(*sets[i % 2], is_causal=bool(causal))
             impls[name] = run
         row = {}
-        for name, fn in impls.items():
+        # (impl, whole_call, label in the progress line, function)
+        timed = [(name, True, name, fn) for name, fn in impls.items()]
+        if kernel_only is not None:
+            timed.insert(1, ("sagekit", False, "sagekit-kernel", kernel_only))
+        for name, whole_call, label, fn in timed:
             try:
                 ms = median_ms(fn, args.warmup, args.iters)
             except Exception as e:  # a backend that refuses the shape is reported, not hidden
-                print(f"  {name}: failed: {e}", file=sys.stderr)
+                print(f"  {label}: failed: {e}", file=sys.stderr)
                 continue
             tops = ops / (ms * 1e-3) / 1e12
-            row[name] = tops
+            row[label] = tops
             records.append(dict(impl=name, recipe=args.recipe if name == "sagekit" else "fp16" if dt == "float16" else "bf16",
                                 d=d, causal=bool(causal), n=n, batch=batch, heads=args.heads, dtype=dt,
-                                whole_call=True, ms=ms, tops=tops, device=dev))
+                                whole_call=whole_call, ms=ms, tops=tops, device=dev))
         # accuracy of sagekit on one head of these inputs, against float64
         q, k, v = (t[:1, :1] for t in sets[0])
         ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=bool(causal))
@@ -94,7 +141,7 @@ def main():
         for r in records:
             if r["impl"] == "sagekit" and (r["dtype"], r["d"], r["causal"], r["n"]) == (dt, d, bool(causal), n):
                 r["cosine"], r["rel_l1"] = cos, l1
-        del sets
+        del sets, kvs, kernel_only
         torch.cuda.empty_cache()
         ratio = row.get("sagekit", float("nan")) / row.get("torch-cudnn", float("nan"))
         print(f"[{idx + 1}/{len(grid)}] {dt} d={d} causal={causal} n={n}: "
@@ -103,16 +150,7 @@ def main():
 
     with open(args.json, "w") as f:
         json.dump(records, f, indent=1)
-    # Markdown: one row per grid point, TOPS of each implementation and the ratios.
-    lines = [f"Whole-call TOPS on {dev} (median of {args.iters} CUDA-event timings; recipe {args.recipe}).", "",
-             "| dtype | d | causal | N | sagekit | torch-flash | torch-cudnn | vs flash | vs cuDNN |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    keyed = {}
-    for r in records:
-        keyed.setdefault((r["dtype"], r["d"], r["causal"], r["n"]), {})[r["impl"]] = r["tops"]
-    for (dt, d, c, n), row in keyed.items():
-        s, fl, cu = row.get("sagekit", math.nan), row.get("torch-flash", math.nan), row.get("torch-cudnn", math.nan)
-        lines.append(f"| {dt} | {d} | {'yes' if c else 'no'} | {n} | {s:.0f} | {fl:.0f} | {cu:.0f} | {s / fl:.2f} | {s / cu:.2f} |")
+    lines = markdown_table(records, dev, args.iters, args.recipe)
     with open(args.markdown, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -17,14 +17,19 @@ def main():
     for row, d in enumerate(dims):
         for col, causal in enumerate((False, True)):
             ax = axes[row][col]
-            for impl in sorted({r["impl"] for r in records}):
+            # Kernel-only records (whole_call false) get their own, dashed line.
+            for impl, whole in sorted({(r["impl"], r.get("whole_call", True)) for r in records},
+                                      key=lambda x: (x[0], not x[1])):
                 pts = sorted((r["n"], r["tops"]) for r in records
-                             if r["impl"] == impl and r["d"] == d and r["causal"] == causal)
+                             if r["impl"] == impl and r.get("whole_call", True) == whole
+                             and r["d"] == d and r["causal"] == causal)
                 if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                            linestyle="-" if whole else "--",
+                            label=impl if whole else f"{impl} (kernel only)")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("sequence length N (batch = 32K / N, 32 heads)")
-            ax.set_ylabel("TOPS (whole call)")
+            ax.set_ylabel("TOPS (whole call unless marked kernel only)")
             ax.set_title(f"d = {d}, {'causal' if causal else 'non-causal'}")
             ax.grid(True, alpha=0.3)
             ax.legend()

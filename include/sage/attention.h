@@ -50,17 +50,42 @@ struct Problem {
 // Checks every argument and returns the problem's shape; throws sage::Error naming the
 // first bad argument. `device` says where the data must live.
 Problem check_args(const AttentionArgs& args, DeviceKind device);
+// The same checks for the K/V half of a call only (k, v, k_scale, v_scale, layout, recipe):
+// q, out and lse are ignored. The result has heads_q = heads_kv and n_q = 0.
+Problem check_kv_args(const AttentionArgs& args, DeviceKind device);
 
 // ---- GPU (sm_90a) -------------------------------------------------------------------------
 
 // Bytes of device workspace attention() needs for these arguments (quantized K and V,
-// scales, means). No call allocates: the caller passes at least this much.
+// scales, means): kv_workspace_bytes of their shapes. No call allocates: the caller passes at
+// least this much.
 size_t workspace_bytes(const AttentionArgs& args);
 
 // Runs attention on the GPU on `stream` (a cudaStream_t; nullptr is the legacy stream).
 // Asynchronous: returns once the work is enqueued; throws sage::Error for bad arguments
 // before anything is enqueued and sage::CudaError if a launch fails.
 void attention(const AttentionArgs& args, void* workspace, size_t workspace_size, void* stream);
+
+// ---- GPU in two steps ----------------------------------------------------------------------
+// attention() is quantize_kv() followed by attention_from_quantized_kv() on one workspace.
+//   * quantize_kv reads k, v (and, for prequantized inputs, k_scale and v_scale), layout and
+//     recipe, and writes the quantized K/V into the workspace. q, out and lse may be left
+//     undefined: they are not checked or read.
+//   * attention_from_quantized_kv checks the whole call (k and v must describe the tensors
+//     quantize_kv saw, for their shapes; their data is not read), reads q and the workspace,
+//     and writes out and lse.
+// Between the two, the workspace holds this recipe's quantized K/V and may serve any number
+// of attention calls (a KV cache, several query sets, or timing the attention kernel alone).
+// Its size depends only on the K/V shapes and the recipe:
+size_t kv_workspace_bytes(int64_t batch, int64_t heads_kv, int64_t n_kv, int64_t head_dim,
+                          const Recipe& recipe);
+void quantize_kv(const AttentionArgs& args, void* workspace, size_t workspace_size, void* stream);
+void attention_from_quantized_kv(const AttentionArgs& args, const void* workspace,
+                                 size_t workspace_size, void* stream);
+
+// Whether `recipe` has an sm_90 kernel (the same rule attention() applies; it refuses any
+// other recipe with an error that names what is missing). False in a CPU-only build.
+bool gpu_supports(const Recipe& recipe);
 
 // True when this build has GPU kernels and a device of compute capability 9.0 is present.
 bool gpu_available();

@@ -2,11 +2,12 @@
 
 Works with NumPy alone (the CPU references: simulate, exact) and, when torch is
 installed, adds the GPU front end (sageattn, scaled_dot_product_attention, patch_sdpa)
-built on the custom ops in sagekit.ops (torch.ops.sagekit.*).
+built on the custom ops in sagekit.ops (torch.ops.sagekit.*), and the same attention in two
+steps (quantize_kv once, then sageattn_quantized_kv any number of times).
 """
 
 from . import _C
-from ._C import ArgumentError, CudaError, gpu_available, gpu_head_dims
+from ._C import ArgumentError, CudaError, gpu_available, gpu_head_dims, gpu_supports
 from ._recipes import presets, recipe
 from .calibration import calibrate, load_layer_choices
 from .reference import exact, simulate
@@ -22,7 +23,8 @@ except ImportError:
 
 if _torch is not None:
     from . import ops
-    from .attention import SdpaPatch, patch_sdpa, sageattn, scaled_dot_product_attention
+    from .attention import (QuantizedKV, SdpaPatch, patch_sdpa, quantize_kv, sageattn,
+                            sageattn_quantized_kv, scaled_dot_product_attention)
 else:
     ops = None
 
@@ -37,10 +39,14 @@ else:
     sageattn = _needs_torch("sageattn")
     scaled_dot_product_attention = _needs_torch("scaled_dot_product_attention")
     patch_sdpa = _needs_torch("patch_sdpa")
+    quantize_kv = _needs_torch("quantize_kv")
+    sageattn_quantized_kv = _needs_torch("sageattn_quantized_kv")
     SdpaPatch = None
+    QuantizedKV = None
 
 __all__ = [
-    "ArgumentError", "CudaError", "SdpaPatch", "calibrate", "cuda_built", "exact", "gpu_available",
-    "gpu_head_dims", "load_layer_choices", "ops", "patch_sdpa", "presets", "recipe", "sageattn",
+    "ArgumentError", "CudaError", "QuantizedKV", "SdpaPatch", "calibrate", "cuda_built", "exact",
+    "gpu_available", "gpu_head_dims", "gpu_supports", "load_layer_choices", "ops", "patch_sdpa",
+    "presets", "quantize_kv", "recipe", "sageattn", "sageattn_quantized_kv",
     "scaled_dot_product_attention", "simulate",
 ]

@@ -1,7 +1,8 @@
-"""The torch front end: sageattn, a drop-in scaled_dot_product_attention and patch_sdpa.
+"""The torch front end: sageattn, a drop-in scaled_dot_product_attention and patch_sdpa, and
+the same attention in two steps (quantize_kv, then sageattn_quantized_kv).
 
-Everything here is plain Python over tensor metadata followed by one call of the custom op
-torch.ops.sagekit.attention, so torch.compile(fullgraph=True) traces it without a break.
+Everything here is plain Python over tensor metadata followed by calls of the custom ops
+torch.ops.sagekit.*, so torch.compile(fullgraph=True) traces it without a break.
 Argument checks raise sagekit.ArgumentError (a ValueError) naming the argument, before any
 work is queued; checks that need the library (head dims, recipe validity on this GPU) run in
 the op and raise the same error type.
@@ -9,7 +10,7 @@ the op and raise the same error type.
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -17,7 +18,8 @@ from . import ops  # noqa: F401  (registers torch.ops.sagekit.*)
 from ._errors import argument_error
 from ._recipes import RecipeLike, recipe_key
 
-__all__ = ["sageattn", "scaled_dot_product_attention", "patch_sdpa", "SdpaPatch"]
+__all__ = ["sageattn", "scaled_dot_product_attention", "patch_sdpa", "SdpaPatch", "QuantizedKV",
+           "quantize_kv", "sageattn_quantized_kv"]
 
 _FLOATS = (torch.float16, torch.bfloat16)
 
@@ -46,6 +48,13 @@ def _check_last_dim(t: torch.Tensor, name: str) -> None:
                              "are accepted as they are")
 
 
+def _check_layout(layout: Any) -> str:
+    if not isinstance(layout, str) or layout.upper() not in ("HND", "NHD"):
+        raise argument_error("layout", "must be 'HND' ([batch, heads, tokens, head_dim]) or "
+                             f"'NHD' ([batch, tokens, heads, head_dim]) (got {layout!r})")
+    return layout.upper()
+
+
 def sageattn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
              scale: Optional[float] = None, layout: str = "HND", recipe: RecipeLike = "auto",
              return_lse: bool = False, *, q_scale: Optional[torch.Tensor] = None,
@@ -64,10 +73,7 @@ def sageattn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool 
     Prequantized inputs (recipe "int_flash"): int8 q/k/v with float32 q_scale, k_scale,
     v_scale; out_dtype picks the output dtype (default float16).
     """
-    if not isinstance(layout, str) or layout.upper() not in ("HND", "NHD"):
-        raise argument_error("layout", "must be 'HND' ([batch, heads, tokens, head_dim]) or "
-                             f"'NHD' ([batch, tokens, heads, head_dim]) (got {layout!r})")
-    layout = layout.upper()
+    layout = _check_layout(layout)
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
         _check_tensor(t, name)
         if t.dim() != 4:
@@ -92,6 +98,109 @@ def sageattn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool 
         scale = float(scale)
     out, lse = torch.ops.sagekit.attention(q, k, v, layout, is_causal, scale, recipe_key(recipe),
                                            return_lse, q_scale, k_scale, v_scale, out_dtype)
+    return (out, lse) if return_lse else out
+
+
+class QuantizedKV(NamedTuple):
+    """K and V quantized once by sagekit.quantize_kv, for any number of
+    sagekit.sageattn_quantized_kv calls. Treat it as opaque.
+
+    workspace: the quantized K/V (a uint8 CUDA tensor in the library's own layout); k, v:
+    the tensors it was made from, kept for their shapes (the attention kernel does not read
+    them again, so changing them afterwards changes nothing until quantize_kv runs again);
+    layout, recipe, k_scale, v_scale: as given to quantize_kv. A NamedTuple, so that
+    torch.compile traces through it.
+    """
+
+    workspace: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    layout: str
+    recipe: str
+    k_scale: Optional[torch.Tensor] = None
+    v_scale: Optional[torch.Tensor] = None
+
+
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, layout: str = "HND",
+                recipe: RecipeLike = "auto", *, k_scale: Optional[torch.Tensor] = None,
+                v_scale: Optional[torch.Tensor] = None) -> QuantizedKV:
+    """Step one of sageattn: quantizes K and V the way `recipe` says, once.
+
+    k/v [B, Hkv, Nkv, D] for layout "HND" ([B, N, H, D] for "NHD"), float16 or bfloat16
+    CUDA tensors, any strides with a contiguous head_dim (as sageattn). Returns a
+    QuantizedKV for sageattn_quantized_kv, which then runs only the attention kernel: a
+    KV cache or a set of keys shared by many queries is quantized once, and the kernel
+    can be timed on its own. sageattn(q, k, v, ...) equals
+    sageattn_quantized_kv(q, quantize_kv(k, v, ...), ...) bit for bit.
+    Prequantized inputs (recipe "int_flash"): int8 k/v with float32 k_scale and v_scale.
+    """
+    layout = _check_layout(layout)
+    for t, name in ((k, "k"), (v, "v")):
+        _check_tensor(t, name)
+        if t.dim() != 4:
+            raise argument_error(name, f"must have 4 dimensions (layout {layout}) (got {t.dim()})")
+        _check_last_dim(t, name)
+    prequantized = k_scale is not None or v_scale is not None
+    if not prequantized and k.dtype not in _FLOATS:
+        raise argument_error("k", f"dtype must be torch.float16 or torch.bfloat16 (got {k.dtype})")
+    if v.dtype != k.dtype:
+        raise argument_error("v", f"dtype must equal k's {k.dtype} (got {v.dtype})")
+    scales = ((k_scale, "k_scale"), (v_scale, "v_scale"))
+    for t, name in scales:
+        if t is not None:
+            _check_tensor(t, name)
+    for t, name in ((k, "k"), (v, "v")) + scales:
+        if t is not None:
+            _check_cuda(t, name, k)
+    key = recipe_key(recipe)
+    workspace = torch.ops.sagekit.quantize_kv(k, v, layout, key, k_scale, v_scale)
+    return QuantizedKV(workspace, k, v, layout, key, k_scale, v_scale)
+
+
+def sageattn_quantized_kv(q: torch.Tensor, kv: QuantizedKV, is_causal: bool = False,
+                          scale: Optional[float] = None, return_lse: bool = False, *,
+                          q_scale: Optional[torch.Tensor] = None,
+                          out_dtype: Optional[torch.dtype] = None):
+    """Step two of sageattn: attention of q over K/V that quantize_kv already quantized.
+
+    q [B, Hq, Nq, D] in kv's layout, kv's dtype and device, Hq a multiple of kv's heads;
+    the recipe is kv's. is_causal, scale, return_lse, q_scale and out_dtype as in sageattn.
+    Only the attention kernel runs (no K/V pre-pass); kv is read, never changed, so it
+    serves any number of calls.
+    """
+    if not isinstance(kv, QuantizedKV):
+        raise argument_error("kv", "must be what sagekit.quantize_kv returned (got "
+                             f"{type(kv).__name__})")
+    _check_tensor(q, "q")
+    if q.dim() != 4:
+        raise argument_error("q", f"must have 4 dimensions (layout {kv.layout}) (got {q.dim()})")
+    _check_last_dim(q, "q")
+    k = kv.k
+    if q.dtype != k.dtype:
+        raise argument_error("q", f"dtype must equal the quantized K/V's {k.dtype} (got {q.dtype})")
+    _check_cuda(q, "q", k)
+    # Shape mismatches are named after q here; the library would name k, which this call
+    # does not take.
+    heads = 2 if kv.layout == "NHD" else 1
+    if q.shape[0] != k.shape[0]:
+        raise argument_error("q", f"batch must equal the quantized K/V's batch {k.shape[0]} "
+                             f"(got {q.shape[0]})")
+    if q.shape[3] != k.shape[3]:
+        raise argument_error("q", f"head_dim must equal the quantized K/V's head_dim "
+                             f"{k.shape[3]} (got {q.shape[3]})")
+    if k.shape[heads] > 0 and q.shape[heads] % k.shape[heads] != 0:
+        raise argument_error("q", f"heads must be a multiple of the quantized K/V's heads "
+                             f"{k.shape[heads]} (got {q.shape[heads]})")
+    if not isinstance(is_causal, bool):
+        raise argument_error("is_causal", f"must be a bool (got {type(is_causal).__name__})")
+    if q_scale is not None:
+        _check_tensor(q_scale, "q_scale")
+        _check_cuda(q_scale, "q_scale", k)
+    if scale is not None:
+        scale = float(scale)
+    out, lse = torch.ops.sagekit.attention_from_quantized_kv(
+        q, k, kv.v, kv.workspace, kv.layout, is_causal, scale, kv.recipe, return_lse, q_scale,
+        kv.k_scale, kv.v_scale, out_dtype)
     return (out, lse) if return_lse else out
 
 

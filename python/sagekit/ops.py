@@ -15,16 +15,30 @@ Ops:
     out: q's shape (contiguous, in q's layout), the input dtype (out_dtype, default
     float16, for prequantized int8 inputs); lse: float32 [B, Hq, Nq] when return_lse,
     else an empty tensor. recipe: a preset name, a spec string or "auto".
+
+  The same call in two steps (the C++ quantize_kv / attention_from_quantized_kv), so that
+  K/V are quantized once and attended many times (a KV cache, several query sets, timing
+  the attention kernel without the K/V pre-pass):
+  torch.ops.sagekit.quantize_kv(k, v, layout, recipe, k_scale, v_scale) -> workspace
+    workspace: a uint8 tensor of kv_workspace_bytes(B, Hkv, Nkv, D, recipe) bytes on k's
+    device holding the quantized K/V (opaque: only attention_from_quantized_kv reads it).
+  torch.ops.sagekit.attention_from_quantized_kv(q, k, v, workspace, layout, is_causal, scale,
+                                                recipe, return_lse, q_scale, k_scale,
+                                                v_scale, out_dtype) -> (out, lse)
+    as sagekit::attention; k, v (only their shapes are used: the data is not read again),
+    layout, recipe and the scales must be those quantize_kv was given.
 """
 
-from typing import Dict, Optional, Tuple
+import contextlib
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
 from . import _C
+from ._errors import argument_error
 from .reference import dlpack_capsule
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_from_quantized_kv", "quantize_kv"]
 
 # Capability lookups go through the CUDA runtime; one per device and process is enough.
 _capability: Dict[int, Tuple[int, int]] = {}
@@ -77,6 +91,43 @@ def _capsule(t: Optional[torch.Tensor]):
     return None if t is None else dlpack_capsule(t)
 
 
+def _layout_dims(t: torch.Tensor, layout: str, name: str) -> Tuple[Any, Any, Any, Any]:
+    """(batch, heads, tokens, head_dim) of a 4-d tensor read through the layout."""
+    if t.dim() != 4:
+        raise argument_error(name, f"must have 4 dimensions (layout {layout}) (got {t.dim()})")
+    if layout == "HND":
+        return t.shape[0], t.shape[1], t.shape[2], t.shape[3]
+    if layout == "NHD":
+        return t.shape[0], t.shape[2], t.shape[1], t.shape[3]
+    raise argument_error("layout", "must be 'HND' ([batch, heads, tokens, head_dim]) or "
+                         f"'NHD' ([batch, tokens, heads, head_dim]) (got {layout!r})")
+
+
+@contextlib.contextmanager
+def _on_device(device: torch.device) -> Iterator[int]:
+    """Makes `device` current while the library launches (it launches on the current device)
+    and yields the raw cudaStream_t of torch's current stream there."""
+    switch = _device_index(device) != torch.cuda.current_device()
+    with torch.cuda.device(device) if switch else contextlib.nullcontext():
+        yield torch.cuda.current_stream(device).cuda_stream
+
+
+def _allocate(device: torch.device):
+    def allocate(nbytes: int):
+        # The caching allocator: no cudaMalloc in steady state, stream-ordered reuse, and
+        # the private memory pool during CUDA graph capture.
+        return dlpack_capsule(torch.empty(nbytes, dtype=torch.uint8, device=device))
+
+    return allocate
+
+
+def _outputs(q: torch.Tensor, layout: str, return_lse: bool,
+             out_dtype: Optional[torch.dtype]) -> Tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty(q.shape, dtype=_out_dtype(q, out_dtype), device=q.device)
+    lse = torch.empty(_lse_shape(q, layout, return_lse), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
 @torch.library.custom_op("sagekit::attention", mutates_args=(), device_types="cuda")
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, is_causal: bool,
               scale: Optional[float], recipe: str, return_lse: bool,
@@ -84,31 +135,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, is
               v_scale: Optional[torch.Tensor],
               out_dtype: Optional[torch.dtype]) -> Tuple[torch.Tensor, torch.Tensor]:
     _require_cuda_build()
-    device = q.device
-    recipe = resolve_auto(recipe, device)
-    out = torch.empty(q.shape, dtype=_out_dtype(q, out_dtype), device=device)
-    lse = torch.empty(_lse_shape(q, layout, return_lse), dtype=torch.float32, device=device)
-
-    def allocate(nbytes: int):
-        # The caching allocator: no cudaMalloc in steady state, stream-ordered reuse, and
-        # the private memory pool during CUDA graph capture.
-        return dlpack_capsule(torch.empty(nbytes, dtype=torch.uint8, device=device))
-
-    # The library launches on the current device; a tensor on another one needs a switch.
-    switch = _device_index(device) != torch.cuda.current_device()
-    guard = torch.cuda.device(device) if switch else None
-    if guard is not None:
-        guard.__enter__()
-    try:
-        stream = torch.cuda.current_stream(device).cuda_stream
+    recipe = resolve_auto(recipe, q.device)
+    out, lse = _outputs(q, layout, return_lse, out_dtype)
+    with _on_device(q.device) as stream:
         _C.attention(dlpack_capsule(q), dlpack_capsule(k), dlpack_capsule(v),
                      dlpack_capsule(out), dlpack_capsule(lse) if return_lse else None,
                      layout=layout, causal=is_causal, sm_scale=scale, recipe=recipe,
-                     workspace=allocate, stream=stream, q_scale=_capsule(q_scale),
+                     workspace=_allocate(q.device), stream=stream, q_scale=_capsule(q_scale),
                      k_scale=_capsule(k_scale), v_scale=_capsule(v_scale))
-    finally:
-        if guard is not None:
-            guard.__exit__(None, None, None)
     return out, lse
 
 
@@ -121,11 +155,64 @@ def _attention_fake(q, k, v, layout, is_causal, scale, recipe, return_lse, q_sca
     return out, lse
 
 
-# TODO(quantization ops): when the C++ API exposes the quantization pre-passes on their own
-# (K smoothing + quantization, V transpose + per-channel FP8, as separate entry points in
-# include/sage/), bind them in python/src/module.cpp and register each one here the same
-# way: a torch.library.custom_op("sagekit::quantize_k" / "sagekit::quantize_v", ...) that
-# allocates its outputs and workspace with torch.empty on the input's device, launches on
-# torch.cuda.current_stream(), and has a register_fake giving the quantized tensors' and
-# scales' shapes; then attention can take the quantized K/V (Inputs::prequantized) so a
-# KV cache is quantized once.
+@torch.library.custom_op("sagekit::quantize_kv", mutates_args=(), device_types="cuda")
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, layout: str, recipe: str,
+                k_scale: Optional[torch.Tensor],
+                v_scale: Optional[torch.Tensor]) -> torch.Tensor:
+    _require_cuda_build()
+    recipe = resolve_auto(recipe, k.device)
+    nbytes = _C.kv_workspace_bytes(*_layout_dims(k, layout, "k"), recipe=recipe)
+    # The workspace is the op's output, so torch owns it and frees it with the last
+    # reference. The caching allocator carves blocks at 512-byte multiples out of cudaMalloc'd
+    # segments, so the pointer has the 256-byte alignment the library requires.
+    workspace = torch.empty(nbytes, dtype=torch.uint8, device=k.device)
+    with _on_device(k.device) as stream:
+        _C.quantize_kv(dlpack_capsule(k), dlpack_capsule(v), workspace=dlpack_capsule(workspace),
+                       layout=layout, recipe=recipe, stream=stream, k_scale=_capsule(k_scale),
+                       v_scale=_capsule(v_scale))
+    return workspace
+
+
+@quantize_kv.register_fake
+def _quantize_kv_fake(k, v, layout, recipe, k_scale, v_scale):
+    dims = _layout_dims(k, layout, "k")
+    if _C.cuda_built and all(type(x) is int for x in dims):
+        # kv_workspace_bytes is shape arithmetic (no device is touched), so the fake has the
+        # real op's exact size. "auto" only ever runs as sage2_8b (elsewhere the real op
+        # raises), so that is the size it gets here.
+        nbytes = _C.kv_workspace_bytes(*dims, recipe="sage2_8b" if recipe == "auto" else recipe)
+    else:
+        # No exact count: a build without CUDA has no workspace layout (its
+        # kv_workspace_bytes raises, like every GPU entry point there), and symbolic sizes
+        # (torch.compile with dynamic shapes) cannot go through the C++ arithmetic. The
+        # count is then a fresh unbacked size: nothing in the graph reads the workspace's
+        # size except attention_from_quantized_kv, whose outputs do not depend on it.
+        nbytes = torch.library.get_ctx().new_dynamic_size()
+    return k.new_empty((nbytes,), dtype=torch.uint8)
+
+
+@torch.library.custom_op("sagekit::attention_from_quantized_kv", mutates_args=(),
+                         device_types="cuda")
+def attention_from_quantized_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                workspace: torch.Tensor, layout: str, is_causal: bool,
+                                scale: Optional[float], recipe: str, return_lse: bool,
+                                q_scale: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
+                                v_scale: Optional[torch.Tensor], out_dtype: Optional[torch.dtype]
+                                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    _require_cuda_build()
+    recipe = resolve_auto(recipe, q.device)
+    out, lse = _outputs(q, layout, return_lse, out_dtype)
+    with _on_device(q.device) as stream:
+        _C.attention_from_quantized_kv(
+            dlpack_capsule(q), dlpack_capsule(k), dlpack_capsule(v), dlpack_capsule(out),
+            dlpack_capsule(lse) if return_lse else None, layout=layout, causal=is_causal,
+            sm_scale=scale, recipe=recipe, workspace=dlpack_capsule(workspace), stream=stream,
+            q_scale=_capsule(q_scale), k_scale=_capsule(k_scale), v_scale=_capsule(v_scale))
+    return out, lse
+
+
+@attention_from_quantized_kv.register_fake
+def _attention_from_quantized_kv_fake(q, k, v, workspace, layout, is_causal, scale, recipe,
+                                      return_lse, q_scale, k_scale, v_scale, out_dtype):
+    return _attention_fake(q, k, v, layout, is_causal, scale, recipe, return_lse, q_scale,
+                           k_scale, v_scale, out_dtype)

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "recipes.h"
@@ -99,6 +100,44 @@ std::vector<int> parse_head_dims(const char* s) {
     }
   }
   return dims;
+}
+
+// K's dims read through the layout. The two-step entry points size the workspace from them
+// before the library sees the call, so a K of the wrong rank is reported here in the
+// library's words.
+struct KVDims {
+  int64_t batch, heads, tokens, head_dim;
+};
+KVDims kv_dims(const sage::TensorView& k, sage::Layout layout) {
+  const bool hnd = layout == sage::Layout::HND;
+  if (k.ndim != 4)
+    throw sage::Error("k", std::string("must be a 4-d view ") +
+                               (hnd ? "[batch, heads, tokens, head_dim]" : "[batch, tokens, heads, head_dim]") +
+                               " for layout " + (hnd ? "HND" : "NHD") + " (got " +
+                               (k.defined() ? std::to_string(k.ndim) + " dimensions)" : "none)"));
+  if (hnd) return {k.shape[0], k.shape[1], k.shape[2], k.shape[3]};
+  return {k.shape[0], k.shape[2], k.shape[1], k.shape[3]};
+}
+
+size_t kv_bytes_of(const sage::AttentionArgs& a) {
+  const KVDims d = kv_dims(a.k, a.layout);
+  return sage::kv_workspace_bytes(d.batch, d.heads, d.tokens, d.head_dim, a.recipe);
+}
+
+// The device range behind a `workspace` argument: checks that it is a flat buffer on
+// `device` with at least `need` bytes. `read_only`: the library only reads it.
+void* workspace_range(ViewSet& arrays, nb::handle buffer, size_t need, const sage::Device& device,
+                      const char* device_owner, bool read_only, size_t* size) {
+  sage::Device dev;
+  void* ptr = arrays.bytes(buffer, "workspace", size, &dev, read_only);
+  if (dev != device)
+    throw sage::Error("workspace", std::string("must be on ") + device_owner + "'s device " +
+                                       sage::device_name(device) + " (got " +
+                                       sage::device_name(dev) + ")");
+  if (*size < need)
+    throw sage::Error("workspace", "needs at least " + std::to_string(need) + " bytes (got " +
+                                       std::to_string(*size) + ")");
+  return ptr;
 }
 
 PyObject* g_argument_error = nullptr;
@@ -222,6 +261,104 @@ NB_MODULE(_C, m) {
       (std::string("Bytes of device workspace attention() needs for these arguments. ") +
        common_doc)
           .c_str());
+
+  // ---- GPU in two steps: quantize K/V once, then attend any number of times -------------
+  m.def(
+      "kv_workspace_bytes",
+      [](int64_t batch, int64_t heads_kv, int64_t n_kv, int64_t head_dim, nb::handle recipe) {
+        const std::pair<int64_t, const char*> dims[] = {
+            {batch, "batch"}, {heads_kv, "heads_kv"}, {n_kv, "n_kv"}, {head_dim, "head_dim"}};
+        // Negative sizes would wrap in the library's size_t arithmetic.
+        for (const auto& [value, name] : dims)
+          if (value < 0)
+            throw sage::Error(name, "must be >= 0 (got " + std::to_string(value) + ")");
+        return sage::kv_workspace_bytes(batch, heads_kv, n_kv, head_dim, recipe_from(recipe));
+      },
+      "batch"_a, "heads_kv"_a, "n_kv"_a, "head_dim"_a, "recipe"_a.none() = "sage2_8b",
+      "Bytes of device workspace that quantize_kv fills for K/V of these sizes and this recipe "
+      "(shape arithmetic only: no device is touched). Raises in a build without CUDA.");
+
+  m.def(
+      "quantize_kv",
+      [](nb::handle k, nb::handle v, nb::handle workspace, const std::string& layout,
+         nb::handle recipe, uintptr_t stream, nb::handle k_scale,
+         nb::handle v_scale) -> nb::object {
+        Call c;
+        sage::AttentionArgs& a = c.args;
+        a.layout = layout_of(layout);
+        a.recipe = recipe_from(recipe);
+        a.k = c.arrays.input(k, "k");
+        a.v = c.arrays.input(v, "v");
+        a.k_scale = c.arrays.input(k_scale, "k_scale");
+        a.v_scale = c.arrays.input(v_scale, "v_scale");
+        const size_t need = kv_bytes_of(a);
+        // The workspace is this call's output and outlives it, so an allocator's buffer is
+        // handed back to the caller (who must keep it for attention_from_quantized_kv).
+        nb::object result = nb::borrow(workspace);
+        if (PyCallable_Check(workspace.ptr())) result = workspace(need);
+        void* ws = nullptr;
+        size_t ws_size = 0;
+        if (!result.is_none()) {
+          ws = workspace_range(c.arrays, result, need, a.k.device, "k", /*read_only=*/false,
+                               &ws_size);
+        } else if (need > 0) {
+          throw sage::Error("workspace", "these arguments need " + std::to_string(need) +
+                                             " bytes of device workspace (kv_workspace_bytes); "
+                                             "pass a buffer or an allocator callable(nbytes)");
+        }
+        {
+          nb::gil_scoped_release unlocked;
+          sage::quantize_kv(a, ws, ws_size, reinterpret_cast<void*>(stream));
+        }
+        return result;
+      },
+      "k"_a.none(), "v"_a.none(), "workspace"_a.none() = nb::none(), "layout"_a = "HND",
+      "recipe"_a.none() = "sage2_8b", "stream"_a = 0, "k_scale"_a.none() = nb::none(),
+      "v_scale"_a.none() = nb::none(),
+      "Step one of attention(): quantizes k and v (the way `recipe` says) into `workspace`, "
+      "enqueued on `stream` (a cudaStream_t as an int). workspace: a contiguous device buffer "
+      "of at least kv_workspace_bytes(...) bytes on k's device, aligned to 256 bytes, or a "
+      "callable(nbytes) returning one. Returns the buffer (the callable's result, or the one "
+      "passed). k_scale/v_scale: float32 scales for prequantized INT8 inputs.");
+
+  m.def(
+      "attention_from_quantized_kv",
+      [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+         const std::string& layout, bool causal, std::optional<double> sm_scale,
+         nb::handle recipe, nb::handle workspace, uintptr_t stream, nb::handle q_scale,
+         nb::handle k_scale, nb::handle v_scale) {
+        Call c;
+        fill(c, q, k, v, out, lse, layout, causal, sm_scale, recipe, q_scale, k_scale, v_scale);
+        if (workspace.is_none())
+          throw sage::Error("workspace", "is required: the buffer quantize_kv filled from these "
+                                         "k and v with this recipe");
+        // Sizes are checked here only when k is well formed; otherwise the library's own
+        // checks name k.
+        const size_t need = c.args.k.ndim == 4 ? kv_bytes_of(c.args) : 0;
+        size_t ws_size = 0;
+        const void* ws = workspace_range(c.arrays, workspace, need, c.args.q.device, "q",
+                                         /*read_only=*/true, &ws_size);
+        nb::gil_scoped_release unlocked;
+        sage::attention_from_quantized_kv(c.args, ws, ws_size, reinterpret_cast<void*>(stream));
+      },
+      "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none() = nb::none(),
+      "layout"_a = "HND", "causal"_a = false, "sm_scale"_a = nb::none(),
+      "recipe"_a.none() = "sage2_8b", "workspace"_a.none() = nb::none(), "stream"_a = 0,
+      "q_scale"_a.none() = nb::none(), "k_scale"_a.none() = nb::none(),
+      "v_scale"_a.none() = nb::none(),
+      (std::string("Step two of attention(): attention of q over the K/V that quantize_kv put in "
+                   "`workspace` (read only; it may serve any number of calls), enqueued on "
+                   "`stream`. k and v must describe the tensors quantize_kv saw: only their "
+                   "shapes are used, their data is not read. ") +
+       common_doc)
+          .c_str());
+
+  m.def(
+      "gpu_supports", [](nb::handle recipe) { return sage::gpu_supports(recipe_from(recipe)); },
+      "recipe"_a.none(),
+      "Whether a recipe (preset name, spec string or dict) has an sm_90 kernel in this build "
+      "(False in a build without CUDA); attention() refuses the others with an error naming "
+      "what is missing.");
 
   // The CPU references share everything but the function they call.
   auto host_reference = [](void (*reference)(const sage::AttentionArgs&)) {

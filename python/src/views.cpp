@@ -138,11 +138,11 @@ sage::TensorView ViewSet::output(nb::handle obj, const char* name) {
   return view_of(a, name);
 }
 
-void* ViewSet::bytes(nb::handle obj, const char* name, size_t* size, sage::Device* device) {
-  nb::ndarray<> a;
-  if (!nb::try_cast(obj, a, /*convert=*/false)) not_an_array(obj, name);
-  writable_.push_back(a);
-  // The library treats scratch memory as one flat range, so it must be dense.
+namespace {
+
+template <class Array>
+void* flat_bytes(const Array& a, const char* name, size_t* size, sage::Device* device) {
+  // The library treats the buffer as one flat range, so it must be dense.
   int64_t expected = 1;
   for (size_t i = a.ndim(); i-- > 0;) {
     if (a.shape(i) != 1 && a.stride(i) != expected)
@@ -152,6 +152,22 @@ void* ViewSet::bytes(nb::handle obj, const char* name, size_t* size, sage::Devic
   *size = a.nbytes();
   *device = device_of(a.device_type(), a.device_id(), name);
   return const_cast<void*>(static_cast<const void*>(a.data()));
+}
+
+}  // namespace
+
+void* ViewSet::bytes(nb::handle obj, const char* name, size_t* size, sage::Device* device,
+                     bool read_only) {
+  if (read_only) {
+    nb::ndarray<nb::ro> a;
+    if (!nb::try_cast(obj, a, /*convert=*/false)) not_an_array(obj, name);
+    read_only_.push_back(a);
+    return flat_bytes(a, name, size, device);
+  }
+  nb::ndarray<> a;
+  if (!nb::try_cast(obj, a, /*convert=*/false)) not_an_array(obj, name);
+  writable_.push_back(a);
+  return flat_bytes(a, name, size, device);
 }
 
 }  // namespace sagepy

@@ -21,8 +21,11 @@ class ViewSet {
   sage::TensorView input(nb::handle obj, const char* name);
   // `obj` must be writable; None gives an undefined view.
   sage::TensorView output(nb::handle obj, const char* name);
-  // Raw bytes of a scratch buffer: returns its address and writes its size in bytes.
-  void* bytes(nb::handle obj, const char* name, size_t* size, sage::Device* device);
+  // Raw bytes of a flat buffer: returns its address and writes its size in bytes. A buffer
+  // the library only reads (quantized K/V handed back to the attention kernel) may be
+  // read-only; one it writes must be writable.
+  void* bytes(nb::handle obj, const char* name, size_t* size, sage::Device* device,
+              bool read_only = false);
 
  private:
   std::vector<nb::ndarray<nb::ro>> read_only_;

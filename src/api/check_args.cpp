@@ -295,4 +295,41 @@ Problem check_args(const AttentionArgs& a, DeviceKind device) {
   return p;
 }
 
+Problem check_kv_args(const AttentionArgs& a, DeviceKind device) {
+  validate_recipe(a.recipe);
+  require_4d(a.k, "k", a.layout);
+  require_4d(a.v, "v", a.layout);
+  // The K/V half is checked as the self-attention call q = k would be: every rule about k, v
+  // and their scales is the one check_args applies. q's stand-in is k itself (so an error
+  // about it is an error about k), and out's a fresh contiguous view of q's shape that is
+  // never dereferenced.
+  AttentionArgs self = a;
+  self.q = a.k;
+  self.q_scale = a.k_scale;
+  self.lse = TensorView{};
+  self.out = a.k;
+  self.out.dtype = a.recipe.inputs == Inputs::prequantized_int8 ? DType::f16 : a.k.dtype;
+  int64_t stride = 1;
+  for (int i = 3; i >= 0; --i) {
+    self.out.strides[i] = stride;
+    stride *= std::max<int64_t>(1, self.out.shape[i]);
+  }
+  self.sm_scale.reset();
+  try {
+    Problem p = check_args(self, device);
+    p.n_q = 0;
+    return p;
+  } catch (const Error& e) {
+    const std::string& arg = e.argument();
+    if (arg == "q" || arg == "q_scale") {
+      const std::string name = arg == "q" ? "k" : "k_scale";
+      std::string msg = e.what();
+      const std::string prefix = arg + ": ";
+      if (msg.rfind(prefix, 0) == 0) msg = msg.substr(prefix.size());
+      throw Error(name, msg);
+    }
+    throw;
+  }
+}
+
 }  // namespace sage

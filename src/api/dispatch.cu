@@ -18,7 +18,7 @@
 
 namespace sage {
 namespace sm90 {
-template <int D, class T>
+template <int D, class T, PVPath Path, KScales KS>
 void launch_attention(const AttentionParams& p, const AttentionMaps& maps, cudaStream_t stream);
 }
 
@@ -27,28 +27,64 @@ namespace {
 constexpr size_t kAlign = 256;
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
-// Which recipes have an sm_90 kernel today. Anything else is refused by name: no fallback.
-void check_gpu_recipe(const Recipe& r) {
-  std::string missing;
-  if (r.qk_format != QKFormat::int8) missing = "qk_format int8";
-  else if (!(r.qk_granularity == Granularity::per_thread || r.qk_granularity == Granularity::per_warp ||
-             r.qk_granularity == Granularity::per_block))
-    missing = "qk_granularity per_thread, per_warp or per_block";
-  else if (r.smooth_q) missing = "smooth_q off";
-  else if (r.pv_format != PVFormat::e4m3) missing = "pv_format e4m3";
-  else if (r.p_scale != PScale::static_max) missing = "p_scale static";
-  else if (r.v_scale != VScale::per_channel) missing = "v_scale per_channel";
-  else if (r.pv_accum != PVAccum::two_level) missing = "pv_accum two_level";
-  else if (r.row_sum != RowSum::float_p) missing = "row_sum float_p";
-  else if (r.inputs != Inputs::floating) missing = "fp16/bf16 inputs";
-  if (!missing.empty())
-    throw Error("recipe", "'" + r.name + "' has no sm_90 kernel yet (the GPU path needs " + missing +
-                              "); GPU recipes now: sage2_8b, sage2_8b_vsmooth and custom int8 "
-                              "per_thread/per_warp/per_block QK with e4m3 PV, two_level accumulation");
+// The kernel a recipe runs on: its PV operand policy and K scale layout.
+struct KernelVariant {
+  sm90::PVPath path;
+  sm90::KScales k_scales;
+};
+
+// Maps a recipe onto a kernel variant, or says what it lacks. Everything not matched here is
+// refused by name: no fallback, no approximation.
+std::string gpu_variant(const Recipe& r, KernelVariant& v) {
+  using G = Granularity;
+  if (r.qk_format != QKFormat::int8 && r.qk_format != QKFormat::int4)
+    return "qk_format int8 or int4 (" + std::string(to_string(r.qk_format)) +
+           " has no sm_90 kernel; FP4 tensor cores exist only on Blackwell)";
+  const G g = r.qk_granularity;
+  if (!(g == G::per_thread || g == G::per_warp || g == G::per_block || g == G::per_token))
+    return "qk_granularity per_thread, per_warp, per_block or per_token";
+  v.k_scales = g == G::per_token ? sm90::KScales::per_token : sm90::KScales::per_tile;
+  const bool static_p = r.p_scale == PScale::static_max;
+  const bool scaled_v = r.v_scale == VScale::per_channel || r.v_scale == VScale::per_tensor;
+  if (r.pv_format == PVFormat::e4m3 && static_p && scaled_v && r.pv_accum == PVAccum::two_level)
+    v.path = sm90::PVPath::e4m3_two_level;
+  else if (r.pv_format == PVFormat::e4m3 && static_p && scaled_v && r.pv_accum == PVAccum::fp16x2_fp32)
+    v.path = sm90::PVPath::e4m3_fp16x2;
+  else if (r.pv_format == PVFormat::fp16 && r.pv_accum == PVAccum::fp16)
+    v.path = sm90::PVPath::fp16;
+  else if (r.pv_format == PVFormat::int8 && static_p && scaled_v && r.pv_accum == PVAccum::fp32)
+    v.path = sm90::PVPath::int8;
+  else
+    return "P V as e4m3 (static P, per_channel/per_tensor V) with two_level or fp16x2_fp32 "
+           "accumulation, fp16 with fp16 accumulation, or int8 (static P, per_channel/per_tensor "
+           "V) with fp32 accumulation";
+  if (r.row_sum == RowSum::quantized_p && v.path != sm90::PVPath::int8)
+    return "row_sum quantized_p only with pv_format int8";
+  if (r.inputs == Inputs::prequantized_int8 &&
+      !(g == G::per_token && v.path == sm90::PVPath::int8 && !r.smooth_k && !r.smooth_q && !r.smooth_v))
+    return "prequantized inputs with per_token int8 Q/K, int8 P V and no smoothing";
+  // The generated instantiations (instantiate.cmake): a path with a K layout no preset uses
+  // has no kernel.
+  bool built = false;
+#define SAGE_MATCH_VARIANT(P, K) \
+  built = built || (v.path == sm90::PVPath::P && v.k_scales == sm90::KScales::K);
+  SAGE_FOR_EACH_KERNEL_VARIANT(SAGE_MATCH_VARIANT)
+#undef SAGE_MATCH_VARIANT
+  if (!built) return "a PV path and K scale layout combination that has a kernel (see src/sm90/instantiate.cmake)";
+  return {};
 }
 
-// TMA-free global accesses of Q, K, V use 16-byte vectors (8 channels) and the output uses
-// 4-byte pairs: the rows they start at must be aligned accordingly.
+KernelVariant check_gpu_recipe(const Recipe& r) {
+  KernelVariant v{};
+  const std::string missing = gpu_variant(r, v);
+  if (!missing.empty())
+    throw Error("recipe", "'" + r.name + "' has no sm_90 kernel (the GPU path needs " + missing +
+                              "); every preset except sage3_fp4 runs on the GPU");
+  return v;
+}
+
+// TMA-free global accesses of Q, K, V read 8 channels per vector and the output uses 2-element
+// pairs: the rows they start at must be aligned accordingly.
 void check_alignment(const char* name, const TensorView& t, int elems) {
   const size_t bytes = dtype_size(t.dtype) * elems;
   if (reinterpret_cast<uintptr_t>(t.data) % bytes != 0)
@@ -73,7 +109,7 @@ struct WorkspaceLayout {
   int n_pad, chunks;
 };
 
-WorkspaceLayout workspace_layout(const Problem& pr) {
+WorkspaceLayout workspace_layout(const Problem& pr, sm90::PVPath path) {
   WorkspaceLayout w{};
   w.n_pad = int(std::max<int64_t>(1, ceil_div(pr.n_kv, sm90::kBlockKV)) * sm90::kBlockKV);
   w.chunks = int(ceil_div(pr.n_kv, sm90::kStatsChunk));
@@ -86,8 +122,10 @@ WorkspaceLayout workspace_layout(const Problem& pr) {
     return at;
   };
   w.k = take(heads * w.n_pad * d);
-  w.vt = take(heads * w.n_pad * d);
-  w.k_scale = take(heads * (w.n_pad / sm90::kBlockKV) * sm90::kKScalesPerTile * sizeof(float));
+  w.vt = take(heads * w.n_pad * d * sm90::v_bytes(path));
+  // One float per token covers both layouts (per tile: kKScalesPerTile <= kBlockKV slots).
+  static_assert(sm90::kKScalesPerTile <= sm90::kBlockKV);
+  w.k_scale = take(heads * w.n_pad * sizeof(float));
   w.k_mean = take(heads * d * sizeof(float));
   w.v_scale = take(heads * d * sizeof(float));
   w.v_mean = take(heads * d * sizeof(float));
@@ -96,20 +134,7 @@ WorkspaceLayout workspace_layout(const Problem& pr) {
   return w;
 }
 
-Problem check_gpu_args(const AttentionArgs& args) {
-  const Problem pr = check_args(args, DeviceKind::cuda);
-  check_gpu_recipe(args.recipe);
-  check_alignment("q", args.q, 8);
-  check_alignment("k", args.k, 8);
-  check_alignment("v", args.v, 8);
-  check_alignment("out", args.out, 2);
-  return pr;
-}
-
-template <int D, class T>
-void run(const AttentionArgs& args, const Problem& pr, uint8_t* ws, cudaStream_t stream) {
-  const WorkspaceLayout w = workspace_layout(pr);
-  const Recipe& r = args.recipe;
+sm90::QuantizedKV quantized_kv_at(uint8_t* ws, const WorkspaceLayout& w) {
   sm90::QuantizedKV kv;
   kv.k = reinterpret_cast<int8_t*>(ws + w.k);
   kv.vt = ws + w.vt;
@@ -118,23 +143,75 @@ void run(const AttentionArgs& args, const Problem& pr, uint8_t* ws, cudaStream_t
   kv.v_scale = reinterpret_cast<float*>(ws + w.v_scale);
   kv.v_mean = reinterpret_cast<float*>(ws + w.v_mean);
   kv.partials = reinterpret_cast<float*>(ws + w.partials);
+  return kv;
+}
 
-  if (pr.n_kv > 0) {
-    sm90::KVQuantParams qp{};
-    qp.k = args.k.data;
-    qp.v = args.v.data;
-    const Dims ks = strides_of(args.k, args.layout), vs = strides_of(args.v, args.layout);
-    qp.k_stride_b = ks.b, qp.k_stride_h = ks.h, qp.k_stride_n = ks.n;
-    qp.v_stride_b = vs.b, qp.v_stride_h = vs.h, qp.v_stride_n = vs.n;
-    qp.batch = int(pr.batch), qp.heads_kv = int(pr.heads_kv), qp.n_kv = int(pr.n_kv);
-    qp.n_pad = w.n_pad, qp.chunks = w.chunks;
-    qp.k_granularity = r.qk_granularity;
-    qp.smooth_k = r.smooth_k, qp.smooth_v = r.smooth_v;
-    qp.v_max = r.v_range > 0 ? r.v_range : 448.f;
-    qp.out = kv;
-    quant::launch_kv_prepass<D, T>(qp, stream);
+void check_workspace(const void* workspace, size_t workspace_size, size_t need) {
+  if (workspace_size < need)
+    throw Error("workspace_size", "must be at least workspace_bytes(args) = " + std::to_string(need) +
+                                      " bytes (got " + std::to_string(workspace_size) + ")");
+  if (workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % kAlign != 0)
+    throw Error("workspace", "must be a device pointer aligned to 256 bytes");
+}
+
+float v_format_max(const Recipe& r) {
+  if (r.v_range > 0) return r.v_range;
+  return r.pv_format == PVFormat::int8 ? float(rules::kInt8Max) : 448.f;
+}
+float p_format_max(const Recipe& r) {
+  if (r.pv_format == PVFormat::fp16) return 1.f;  // fp16 P is P~ itself
+  if (r.p_range > 0) return r.p_range;
+  return r.pv_format == PVFormat::int8 ? float(rules::kInt8Max) : 448.f;
+}
+int qk_format_max(const Recipe& r) {
+  return r.qk_format == QKFormat::int4 ? rules::kInt4Max : rules::kInt8Max;
+}
+
+// ---- the two steps, for one head dim and dtype ----------------------------------------------
+
+template <int D, class T>
+void run_quantize_kv(const AttentionArgs& args, const Problem& pr, const KernelVariant& v,
+                     uint8_t* ws, cudaStream_t stream) {
+  // Nothing to quantize; with no keys the attention kernel writes zeros and -inf LSE without
+  // reading the workspace's values.
+  if (pr.batch == 0 || pr.heads_kv == 0 || pr.n_kv == 0) return;
+  const WorkspaceLayout w = workspace_layout(pr, v.path);
+  const Recipe& r = args.recipe;
+  sm90::KVQuantParams qp{};
+  qp.k = args.k.data;
+  qp.v = args.v.data;
+  const Dims ks = strides_of(args.k, args.layout), vs = strides_of(args.v, args.layout);
+  qp.k_stride_b = ks.b, qp.k_stride_h = ks.h, qp.k_stride_n = ks.n;
+  qp.v_stride_b = vs.b, qp.v_stride_h = vs.h, qp.v_stride_n = vs.n;
+  qp.batch = int(pr.batch), qp.heads_kv = int(pr.heads_kv), qp.n_kv = int(pr.n_kv);
+  qp.n_pad = w.n_pad, qp.chunks = w.chunks;
+  qp.k_granularity = r.qk_granularity;
+  qp.k_max = qk_format_max(r);
+  qp.smooth_k = r.smooth_k, qp.smooth_v = r.smooth_v;
+  qp.pv_path = v.path;
+  qp.v_per_tensor = r.v_scale == VScale::per_tensor;
+  qp.v_max = v_format_max(r);
+  if (r.inputs == Inputs::prequantized_int8) {
+    // Scale views are [B, Hkv, n_kv] and [B, Hkv(, D)] whatever the layout.
+    qp.k_scale_in = static_cast<const float*>(args.k_scale.data);
+    qp.ks_stride_b = args.k_scale.strides[0], qp.ks_stride_h = args.k_scale.strides[1];
+    qp.ks_stride_n = args.k_scale.strides[2];
+    qp.v_scale_in = static_cast<const float*>(args.v_scale.data);
+    qp.vs_stride_b = args.v_scale.strides[0], qp.vs_stride_h = args.v_scale.strides[1];
+    qp.vs_stride_c = args.v_scale.ndim == 3 ? args.v_scale.strides[2] : 0;
   }
+  qp.out = quantized_kv_at(ws, w);
+  quant::launch_kv_prepass<D, T>(qp, stream);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) sm90::throw_cuda("K/V pre-pass launch", err);
+}
 
+template <int D, class T>
+void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVariant& v,
+                   uint8_t* ws, cudaStream_t stream) {
+  if (pr.batch == 0 || pr.heads_q == 0 || pr.n_q == 0) return;
+  const WorkspaceLayout w = workspace_layout(pr, v.path);
+  const Recipe& r = args.recipe;
   sm90::AttentionParams ap{};
   ap.q = args.q.data;
   const Dims qs = strides_of(args.q, args.layout), os = strides_of(args.out, args.layout);
@@ -146,49 +223,142 @@ void run(const AttentionArgs& args, const Problem& pr, uint8_t* ws, cudaStream_t
     ap.lse_stride_b = args.lse.strides[0], ap.lse_stride_h = args.lse.strides[1];
     ap.lse_stride_n = args.lse.strides[2];
   }
+  if (r.inputs == Inputs::prequantized_int8) {
+    ap.q_scale = static_cast<const float*>(args.q_scale.data);
+    ap.qs_stride_b = args.q_scale.strides[0], ap.qs_stride_h = args.q_scale.strides[1];
+    ap.qs_stride_n = args.q_scale.strides[2];
+  }
   ap.batch = int(pr.batch), ap.heads_q = int(pr.heads_q), ap.heads_kv = int(pr.heads_kv);
   ap.n_q = int(pr.n_q), ap.n_kv = int(pr.n_kv), ap.n_pad = w.n_pad;
   ap.n_q_tiles = int(ceil_div(pr.n_q, sm90::kBlockQ));
   ap.sm_scale = pr.sm_scale;
   ap.sm_scale_log2 = rules::sm_scale_log2(pr.sm_scale);
-  ap.p_max = r.p_range > 0 ? r.p_range : 448.f;
+  ap.p_max = p_format_max(r);
   ap.q_granularity = r.qk_granularity;
+  ap.q_max = qk_format_max(r);
   ap.causal = args.causal, ap.smooth_k = r.smooth_k, ap.smooth_v = r.smooth_v;
-  ap.kv = kv;
-  const sm90::AttentionMaps maps = sm90::make_attention_maps(ap, D);
-  sm90::launch_attention<D, T>(ap, maps, stream);
+  ap.smooth_q = r.smooth_q;
+  ap.quantized_row_sum = r.row_sum == RowSum::quantized_p;
+  ap.kv = quantized_kv_at(ws, w);
+  const sm90::AttentionMaps maps = sm90::make_attention_maps(ap, D, sm90::v_bytes(v.path));
+  bool launched = false;
+#define SAGE_LAUNCH_VARIANT(P, K)                                                           \
+  if (!launched && v.path == sm90::PVPath::P && v.k_scales == sm90::KScales::K) {           \
+    sm90::launch_attention<D, T, sm90::PVPath::P, sm90::KScales::K>(ap, maps, stream);      \
+    launched = true;                                                                        \
+  }
+  SAGE_FOR_EACH_KERNEL_VARIANT(SAGE_LAUNCH_VARIANT)
+#undef SAGE_LAUNCH_VARIANT
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) sm90::throw_cuda("attention launch", err);
 }
 
-}  // namespace
+enum class Step { quantize_kv, attention };
 
-size_t workspace_bytes(const AttentionArgs& args) {
-  return workspace_layout(check_gpu_args(args)).total;
-}
-
-void attention(const AttentionArgs& args, void* workspace, size_t workspace_size, void* stream) {
-  const Problem pr = check_gpu_args(args);
-  const size_t need = workspace_layout(pr).total;
-  if (workspace_size < need)
-    throw Error("workspace_size", "must be at least workspace_bytes(args) = " + std::to_string(need) +
-                                      " bytes (got " + std::to_string(workspace_size) + ")");
-  if (workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % kAlign != 0)
-    throw Error("workspace", "must be a device pointer aligned to 256 bytes");
-  if (pr.batch == 0 || pr.heads_q == 0 || pr.n_q == 0) return;
-  auto* ws = static_cast<uint8_t*>(workspace);
-  auto* s = static_cast<cudaStream_t>(stream);
-  const bool bf16 = args.q.dtype == DType::bf16;
-#define SAGE_DISPATCH_DIM(D)                                                   \
-  if (pr.head_dim == D) {                                                      \
-    if (bf16) run<D, __nv_bfloat16>(args, pr, ws, s);                          \
-    else run<D, __half>(args, pr, ws, s);                                      \
-    return;                                                                    \
+// Picks the (head dim, dtype) instantiation. The kernels' T is the fp16/bf16 type of the
+// inputs, or of the output when the inputs are prequantized INT8.
+void run_step(Step step, const AttentionArgs& args, const Problem& pr, const KernelVariant& v,
+              uint8_t* ws, cudaStream_t s) {
+  const bool preq = args.recipe.inputs == Inputs::prequantized_int8;
+  // quantize_kv of prequantized inputs never reads T; any instantiation serves.
+  const DType t = preq ? (step == Step::attention ? args.out.dtype : DType::f16) : args.k.dtype;
+  const bool bf16 = t == DType::bf16;
+#define SAGE_DISPATCH_DIM(D)                                                               \
+  if (pr.head_dim == D) {                                                                  \
+    if (step == Step::quantize_kv) {                                                       \
+      if (bf16) run_quantize_kv<D, __nv_bfloat16>(args, pr, v, ws, s);                     \
+      else run_quantize_kv<D, __half>(args, pr, v, ws, s);                                 \
+    } else {                                                                               \
+      if (bf16) run_attention<D, __nv_bfloat16>(args, pr, v, ws, s);                       \
+      else run_attention<D, __half>(args, pr, v, ws, s);                                   \
+    }                                                                                      \
+    return;                                                                                \
   }
   SAGE_FOR_EACH_HEAD_DIM(SAGE_DISPATCH_DIM)
 #undef SAGE_DISPATCH_DIM
-  throw Error("q", "head_dim " + std::to_string(pr.head_dim) + " has no kernel in this build (built: " +
-                       SAGE_HEAD_DIMS_STRING + ")");
+  throw Error(step == Step::attention ? "q" : "k",
+              "head_dim " + std::to_string(pr.head_dim) + " has no kernel in this build (built: " +
+                  SAGE_HEAD_DIMS_STRING + ")");
+}
+
+struct Checked {
+  Problem problem;
+  KernelVariant variant;
+  size_t workspace;
+};
+
+Checked check_gpu_call(const AttentionArgs& args) {
+  const Problem pr = check_args(args, DeviceKind::cuda);
+  const KernelVariant v = check_gpu_recipe(args.recipe);
+  check_alignment("q", args.q, 8);
+  check_alignment("k", args.k, 8);
+  check_alignment("v", args.v, 8);
+  check_alignment("out", args.out, 2);
+  return {pr, v, workspace_layout(pr, v.path).total};
+}
+
+Checked check_gpu_kv(const AttentionArgs& args) {
+  const Problem pr = check_kv_args(args, DeviceKind::cuda);
+  const KernelVariant v = check_gpu_recipe(args.recipe);
+  check_alignment("k", args.k, 8);
+  check_alignment("v", args.v, 8);
+  return {pr, v, workspace_layout(pr, v.path).total};
+}
+
+}  // namespace
+
+size_t workspace_bytes(const AttentionArgs& args) { return check_gpu_call(args).workspace; }
+
+size_t kv_workspace_bytes(int64_t batch, int64_t heads_kv, int64_t n_kv, int64_t head_dim,
+                          const Recipe& recipe) {
+  const struct {
+    const char* name;
+    int64_t value;
+  } dims[] = {{"batch", batch}, {"heads_kv", heads_kv}, {"n_kv", n_kv}, {"head_dim", head_dim}};
+  for (const auto& d : dims)
+    if (d.value < 0) throw Error(d.name, "must be >= 0 (got " + std::to_string(d.value) + ")");
+  validate_recipe(recipe);
+  const KernelVariant v = check_gpu_recipe(recipe);
+  Problem pr;
+  pr.batch = batch, pr.heads_kv = heads_kv, pr.heads_q = heads_kv, pr.n_kv = n_kv;
+  pr.head_dim = head_dim;
+  return workspace_layout(pr, v.path).total;
+}
+
+void quantize_kv(const AttentionArgs& args, void* workspace, size_t workspace_size, void* stream) {
+  const Checked c = check_gpu_kv(args);
+  check_workspace(workspace, workspace_size, c.workspace);
+  run_step(Step::quantize_kv, args, c.problem, c.variant, static_cast<uint8_t*>(workspace),
+           static_cast<cudaStream_t>(stream));
+}
+
+void attention_from_quantized_kv(const AttentionArgs& args, const void* workspace,
+                                 size_t workspace_size, void* stream) {
+  const Checked c = check_gpu_call(args);
+  check_workspace(workspace, workspace_size, c.workspace);
+  // The kernel only reads the workspace; the parameter block is shared with the pre-pass.
+  run_step(Step::attention, args, c.problem, c.variant,
+           static_cast<uint8_t*>(const_cast<void*>(workspace)), static_cast<cudaStream_t>(stream));
+}
+
+void attention(const AttentionArgs& args, void* workspace, size_t workspace_size, void* stream) {
+  const Checked c = check_gpu_call(args);
+  check_workspace(workspace, workspace_size, c.workspace);
+  if (c.problem.batch == 0 || c.problem.heads_q == 0 || c.problem.n_q == 0) return;
+  auto* ws = static_cast<uint8_t*>(workspace);
+  auto* s = static_cast<cudaStream_t>(stream);
+  run_step(Step::quantize_kv, args, c.problem, c.variant, ws, s);
+  run_step(Step::attention, args, c.problem, c.variant, ws, s);
+}
+
+bool gpu_supports(const Recipe& recipe) {
+  KernelVariant v{};
+  try {
+    validate_recipe(recipe);
+  } catch (const Error&) {
+    return false;
+  }
+  return gpu_variant(recipe, v).empty();
 }
 
 bool gpu_available() {

@@ -75,20 +75,59 @@ __global__ void __launch_bounds__(kThreads) kv_stats_kernel(const sm90::KVQuantP
   }
 }
 
+// Bytes per transposed V row in shared memory: a tile's tokens plus 4 bytes of padding per
+// byte of element, which breaks the transpose's bank conflicts.
+constexpr int kVtPitch8 = sm90::kBlockKV + 4;
+constexpr int kVtPitchMax = 2 * kVtPitch8;
+
+// Two V values (already smoothed and scaled) in the path's format, `lo` in the low bits:
+// E4M3 or INT8 bytes, or fp16 halves saturated to the finite range as the simulator's
+// round_fp16_satfinite.
+__device__ __forceinline__ uint32_t encode_v_pair(sm90::PVPath path, float lo, float hi) {
+  switch (path) {
+    case sm90::PVPath::int8:
+      return (uint32_t(rules::round_clamp(lo, rules::kInt8Max)) & 0xFFu) |
+             ((uint32_t(rules::round_clamp(hi, rules::kInt8Max)) & 0xFFu) << 8);
+    case sm90::PVPath::fp16: {
+      const __half2 h = __floats2half2_rn(fminf(fmaxf(lo, -65504.f), 65504.f),
+                                          fminf(fmaxf(hi, -65504.f), 65504.f));
+      return *reinterpret_cast<const uint32_t*>(&h);
+    }
+    default:
+      return sm90::pack_e4m3x2(lo, hi);
+  }
+}
+
+// Writes the transposed tile (D rows of kBlockKV * v_bytes bytes, `pitch` apart in shared
+// memory) to its place in the workspace's [B, Hkv, D, n_pad] V.
+template <int D>
+__device__ __forceinline__ void store_vt_tile(const sm90::KVQuantParams& p, int b, int h, int tile,
+                                              const uint8_t* s_vt, int pitch, int v_bytes) {
+  const int64_t row_bytes = int64_t(p.n_pad) * v_bytes;
+  uint8_t* vt = p.out.vt + ((int64_t)b * p.heads_kv + h) * D * row_bytes +
+                int64_t(tile) * sm90::kBlockKV * v_bytes;
+  const int words_per_row = sm90::kBlockKV * v_bytes / 4;
+  for (int w = threadIdx.x; w < D * words_per_row; w += kThreads) {
+    const int c = w / words_per_row, x = w % words_per_row;
+    *reinterpret_cast<uint32_t*>(vt + c * row_bytes + 4 * x) =
+        *reinterpret_cast<const uint32_t*>(&s_vt[c * pitch + 4 * x]);
+  }
+}
+
 // Pass 2: quantize one 128-token tile of K and of V.
 template <int D, class T>
 __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQuantParams p) {
   constexpr int kLanesPerRow = D / 8;
   constexpr int kRowsPerIter = kThreads / kLanesPerRow;
   constexpr int kRows = sm90::kBlockKV / kRowsPerIter;  // rows per thread
-  constexpr int kVtPitch = sm90::kBlockKV + 4;           // bytes; breaks the transpose's bank conflicts
   const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int lane_c = threadIdx.x % kLanesPerRow, r0 = threadIdx.x / kLanesPerRow;
+  const bool v_fp16 = p.pv_path == sm90::PVPath::fp16;
 
-  __shared__ float s_kmean[D], s_kamax[D], s_vmean[D], s_vinv[D];
+  __shared__ float s_kmean[D], s_kamax[D], s_vmean[D], s_vamax[D], s_vinv[D];
   __shared__ float s_row_amax[sm90::kBlockKV];
-  __shared__ float s_kinv[sm90::kKScalesPerTile];
-  __shared__ __align__(16) uint8_t s_vt[D * kVtPitch];
+  __shared__ float s_kinv[sm90::kBlockKV];  // per token, or the tile's per-thread groups
+  __shared__ __align__(16) uint8_t s_vt[D * kVtPitchMax];
 
   // Channel statistics over all tokens, reduced from the partials in chunk order.
   if (threadIdx.x < D) {
@@ -111,12 +150,21 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQua
     s_kmean[c] = km;
     s_kamax[c] = kamax;
     s_vmean[c] = vm;
-    s_vinv[c] = rules::symmetric_inverse(vamax, p.v_max);
+    s_vamax[c] = vamax;
+  }
+  __syncthreads();
+  if (threadIdx.x < D) {
+    const int c = threadIdx.x;
+    float vamax = s_vamax[c];
+    if (p.v_per_tensor)  // INT-FlashAttention: one scale over all channels
+      for (int i = 0; i < D; ++i) vamax = fmaxf(vamax, s_vamax[i]);
+    // fp16 V is not scaled: the kernel's epilogue multiplies by 1.
+    s_vinv[c] = v_fp16 ? 1.f : rules::symmetric_inverse(vamax, p.v_max);
     if (tile == 0) {
       const int64_t o = ((int64_t)b * p.heads_kv + h) * D + c;
-      p.out.k_mean[o] = km;
-      p.out.v_mean[o] = vm;
-      p.out.v_scale[o] = rules::symmetric_scale(vamax, p.v_max);
+      p.out.k_mean[o] = s_kmean[c];
+      p.out.v_mean[o] = s_vmean[c];
+      p.out.v_scale[o] = v_fp16 ? 1.f : rules::symmetric_scale(vamax, p.v_max);
     }
   }
   __syncthreads();
@@ -146,7 +194,15 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQua
     if (lane_c == 0) s_row_amax[r] = amax;
   }
   __syncthreads();
-  if (threadIdx.x < sm90::kKScalesPerTile) {
+  const float k_max = float(p.k_max);
+  if (p.k_granularity == Granularity::per_token) {
+    if (threadIdx.x < sm90::kBlockKV) {
+      const int r = threadIdx.x;
+      s_kinv[r] = rules::symmetric_inverse(s_row_amax[r], k_max);
+      p.out.k_scale[((int64_t)b * p.heads_kv + h) * p.n_pad + tile * sm90::kBlockKV + r] =
+          rules::symmetric_scale(s_row_amax[r], k_max);
+    }
+  } else if (threadIdx.x < sm90::kKScalesPerTile) {
     const int g = threadIdx.x;
     float amax = 0.f;
     switch (p.k_granularity) {
@@ -161,9 +217,9 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQua
         for (int r = 0; r < sm90::kBlockKV; ++r) amax = fmaxf(amax, s_row_amax[r]);
         break;
     }
-    s_kinv[g] = rules::symmetric_inverse(amax, rules::kInt8Max);
+    s_kinv[g] = rules::symmetric_inverse(amax, k_max);
     p.out.k_scale[(((int64_t)b * p.heads_kv + h) * (p.n_pad / sm90::kBlockKV) + tile) *
-                      sm90::kKScalesPerTile + g] = rules::symmetric_scale(amax, rules::kInt8Max);
+                      sm90::kKScalesPerTile + g] = rules::symmetric_scale(amax, k_max);
   }
   __syncthreads();
   int8_t* kq = p.out.k + (((int64_t)b * p.heads_kv + h) * p.n_pad + tile * sm90::kBlockKV) * D +
@@ -171,17 +227,22 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQua
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     const int r = r0 + i * kRowsPerIter;
-    const float inv = s_kinv[p.k_granularity == Granularity::per_thread ? (r % 8) / 2 : 0];
+    const float inv = s_kinv[p.k_granularity == Granularity::per_token    ? r
+                             : p.k_granularity == Granularity::per_thread ? (r % 8) / 2
+                                                                          : 0];
     uint32_t w[2] = {0, 0};
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const int32_t q = rules::round_clamp(kx[i][j] * inv, rules::kInt8Max);
+      const int32_t q = rules::round_clamp(kx[i][j] * inv, p.k_max);
       w[j / 4] |= (uint32_t(q) & 0xFFu) << (8 * (j % 4));
     }
     *reinterpret_cast<uint2*>(kq + (int64_t)r * D) = make_uint2(w[0], w[1]);
   }
 
-  // ---- V: smooth, per-channel scale, E4M3, transpose with the P-layout permutation --------
+  // ---- V: smooth, scale, encode (E4M3, INT8 or fp16), transpose --------------------------
+  // 8-bit V takes the P-layout token permutation; fp16 V stays in token order (pv_operand.cuh).
+  const int v_bytes = v_fp16 ? 2 : 1;
+  const int pitch = v_bytes * kVtPitch8;
   const T* vb = static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h + lane_c * 8;
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
@@ -191,7 +252,7 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQua
     if (t < p.n_kv) {
       gpu::load8(vb + (int64_t)t * p.v_stride_n, y);
     }
-    const int pos = 32 * (r / 32) + pv_position_of_token(r % 32);
+    const int pos = v_fp16 ? r : 32 * (r / 32) + pv_position_of_token(r % 32);
 #pragma unroll
     for (int j = 0; j < 8; j += 2) {
       const int c = lane_c * 8 + j;
@@ -200,25 +261,76 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQua
         a = (y[j] - s_vmean[c]) * s_vinv[c];
         bb = (y[j + 1] - s_vmean[c + 1]) * s_vinv[c + 1];
       }
-      const uint16_t two = sm90::pack_e4m3x2(a, bb);
-      s_vt[c * kVtPitch + pos] = uint8_t(two & 0xFF);
-      s_vt[(c + 1) * kVtPitch + pos] = uint8_t(two >> 8);
+      const uint32_t two = encode_v_pair(p.pv_path, a, bb);
+      if (v_fp16) {
+        *reinterpret_cast<uint16_t*>(&s_vt[c * pitch + 2 * pos]) = uint16_t(two & 0xFFFF);
+        *reinterpret_cast<uint16_t*>(&s_vt[(c + 1) * pitch + 2 * pos]) = uint16_t(two >> 16);
+      } else {
+        s_vt[c * pitch + pos] = uint8_t(two & 0xFF);
+        s_vt[(c + 1) * pitch + pos] = uint8_t(two >> 8);
+      }
     }
   }
   __syncthreads();
-  uint8_t* vt = p.out.vt + ((int64_t)b * p.heads_kv + h) * D * p.n_pad + tile * sm90::kBlockKV;
-  constexpr int kWordsPerRow = sm90::kBlockKV / 4;
-  for (int w = threadIdx.x; w < D * kWordsPerRow; w += kThreads) {
-    const int c = w / kWordsPerRow, x = w % kWordsPerRow;
-    *reinterpret_cast<uint32_t*>(vt + (int64_t)c * p.n_pad + 4 * x) =
-        *reinterpret_cast<const uint32_t*>(&s_vt[c * kVtPitch + 4 * x]);
+  store_vt_tile<D>(p, b, h, tile, s_vt, pitch, v_bytes);
+}
+
+// Pass for prequantized INT8 inputs (INT-FlashAttention): nothing to measure or quantize, so
+// one launch copies K with its per-token scales into the workspace layout, transposes V with
+// the P-layout permutation, and broadcasts V's scales to one per channel.
+template <int D>
+__global__ void __launch_bounds__(kThreads) kv_copy_prequantized_kernel(const sm90::KVQuantParams p) {
+  constexpr int kLanesPerRow = D / 8;
+  constexpr int kRowsPerIter = kThreads / kLanesPerRow;
+  constexpr int kRows = sm90::kBlockKV / kRowsPerIter;
+  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int lane_c = threadIdx.x % kLanesPerRow, r0 = threadIdx.x / kLanesPerRow;
+  __shared__ __align__(16) uint8_t s_vt[D * kVtPitch8];
+
+  const int64_t head = (int64_t)b * p.heads_kv + h;
+  if (tile == 0 && threadIdx.x < D) {
+    const int c = threadIdx.x;
+    const float* vs = p.v_scale_in + b * p.vs_stride_b + h * p.vs_stride_h;
+    p.out.v_scale[head * D + c] = p.v_per_tensor ? vs[0] : vs[c * p.vs_stride_c];
+    p.out.k_mean[head * D + c] = 0.f;
+    p.out.v_mean[head * D + c] = 0.f;
   }
+  if (threadIdx.x < sm90::kBlockKV) {
+    const int t = tile * sm90::kBlockKV + threadIdx.x;
+    p.out.k_scale[head * p.n_pad + t] =
+        t < p.n_kv ? p.k_scale_in[b * p.ks_stride_b + h * p.ks_stride_h + t * p.ks_stride_n] : 0.f;
+  }
+  const int8_t* kb = static_cast<const int8_t*>(p.k) + b * p.k_stride_b + h * p.k_stride_h + lane_c * 8;
+  const int8_t* vb = static_cast<const int8_t*>(p.v) + b * p.v_stride_b + h * p.v_stride_h + lane_c * 8;
+  int8_t* kq = p.out.k + (head * p.n_pad + tile * sm90::kBlockKV) * D + lane_c * 8;
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    const int r = r0 + i * kRowsPerIter;
+    const int t = tile * sm90::kBlockKV + r;
+    uint2 kw = make_uint2(0, 0), vw = make_uint2(0, 0);
+    if (t < p.n_kv) {
+      kw = *reinterpret_cast<const uint2*>(kb + (int64_t)t * p.k_stride_n);
+      vw = *reinterpret_cast<const uint2*>(vb + (int64_t)t * p.v_stride_n);
+    }
+    *reinterpret_cast<uint2*>(kq + (int64_t)r * D) = kw;
+    const int pos = 32 * (r / 32) + pv_position_of_token(r % 32);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      s_vt[(lane_c * 8 + j) * kVtPitch8 + pos] = uint8_t(((j < 4 ? vw.x : vw.y) >> (8 * (j % 4))) & 0xFF);
+  }
+  __syncthreads();
+  store_vt_tile<D>(p, b, h, tile, s_vt, kVtPitch8, 1);
 }
 
 }  // namespace
 
 template <int D, class T>
 void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream) {
+  if (p.k_scale_in != nullptr) {
+    const dim3 grid(p.n_pad / sm90::kBlockKV, p.heads_kv, p.batch);
+    kv_copy_prequantized_kernel<D><<<grid, kThreads, 0, stream>>>(p);
+    return;
+  }
   const dim3 stats_grid(p.chunks, p.heads_kv, p.batch);
   kv_stats_kernel<D, T><<<stats_grid, kThreads, 0, stream>>>(p);
   const dim3 quant_grid(p.n_pad / sm90::kBlockKV, p.heads_kv, p.batch);

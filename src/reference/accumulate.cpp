@@ -83,17 +83,17 @@ void accumulate_tile(PVAccum accum, const PTile& p, const VOperand& v, int64_t j
       return;
     }
     case PVAccum::fp16x2_fp32: {
-      sc.outer.assign(static_cast<size_t>(d), 0.f);
-      float* outer = sc.outer.data();
+      // The output is rescaled first and each pair's f16 sum is added straight into it: no
+      // fp32 tile buffer, which is the registers this accumulation saves (pv_operand.cuh).
+      for (int64_t c = 0; c < d; ++c) O[c] *= alpha;
       for (int64_t pair = 0; pair < count; pair += 2 * kFp8KStep) {
         std::fill(acc, acc + d, 0.f);
         for (int64_t t0 = pair; t0 < std::min(count, pair + 2 * kFp8KStep); t0 += kFp8KStep) {
           step_sum(p, v, j0, t0, std::min(count, t0 + kFp8KStep), s);
           for (int64_t c = 0; c < d; ++c) acc[c] = round_double_to_fp16(acc[c] + s[c]);
         }
-        for (int64_t c = 0; c < d; ++c) outer[c] += acc[c];
+        for (int64_t c = 0; c < d; ++c) O[c] += acc[c];
       }
-      for (int64_t c = 0; c < d; ++c) O[c] = O[c] * alpha + outer[c];
       return;
     }
   }

@@ -14,7 +14,6 @@ namespace sage::reference::sim {
 struct AccumScratch {
   std::vector<double> step;   // exact sum of one MMA k-step's products, per channel
   std::vector<float> tile;    // a per-tile accumulator (fp32, fp22 or fp16 values)
-  std::vector<float> outer;   // fp16x2_fp32: the fp32 sum of fp16 pair results
   std::vector<int32_t> ints;  // int8 P and V: the exact int32 tile sum
 };
 

@@ -1,5 +1,7 @@
-// The sm_90a attention kernel of the 8-bit recipes (SageAttention2-8b and its options):
-// INT8 Q K^T and E4M3 P V on warpgroup MMAs, with two-level accumulation.
+// The sm_90a attention kernel: INT8 Q K^T on warpgroup MMAs, then the P V product of one of
+// the PV operand policies (pv_operand.cuh): E4M3 two-level (SageAttention2, the default), E4M3
+// with f16 pair accumulation (SageAttention2++), fp16 (SageAttention T/B) or INT8
+// (SageAttention vT/vB, INT-FlashAttention).
 //
 // Warp specialization: warpgroup 0 is the producer (one thread issues TMA loads of the
 // quantized K tile and the transposed V tile into a ring of shared-memory stages, released
@@ -15,6 +17,7 @@
 #include "sm90/fragment.cuh"
 #include "sm90/kernel_params.h"
 #include "sm90/ptx.cuh"
+#include "sm90/pv_operand.cuh"
 #include "sm90/q_operand.cuh"
 #include "sm90/softmax.cuh"
 #include "sm90/wgmma_ops.cuh"
@@ -31,21 +34,25 @@ namespace sage::sm90 {
 #endif
 constexpr int kStages = SAGE_SM90_STAGES;
 constexpr int kThreads = 384;
-// Named barriers: 1 = per-block Q scale (256 threads), 2..3 = Q tile stored (per warpgroup).
+// Named barriers: 1 = Q statistics over the tile (256 threads), 2..3 = Q tile stored and
+// 4..5 = Q smoothing's key biases written (per warpgroup).
 // Registers move from the producer (one thread issuing TMA) to the consumers; without it the
 // consumer path spills at the 168-register launch cap.
 constexpr bool kReallocateRegisters = SAGE_SM90_SETMAXNREG;
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
 
-template <int D>
+template <int D, int VBytes>
 struct SharedStorage {
   alignas(1024) int8_t q[2][64 * D];  // one quantized Q tile per consumer warpgroup
   alignas(1024) int8_t k[kStages][kBlockKV * D];
-  alignas(1024) uint8_t v[kStages][D * kBlockKV];
+  alignas(1024) uint8_t v[kStages][D * kBlockKV * VBytes];
   alignas(8) uint64_t full[kStages];
   alignas(8) uint64_t empty[kStages];
   float reduce[8];
+  double q_sum[8][D];           // Q smoothing: column sums per consumer warp
+  float q_mean[2][D];           // Q smoothing: the tile mean, one copy per warpgroup
+  float key_bias[2][2][kBlockKV];  // Q smoothing: dS per key, [warpgroup][tile parity]
 };
 
 // How many K/V tiles the Q tile starting at q0 needs (bottom-right causal alignment:
@@ -59,12 +66,15 @@ __device__ __forceinline__ int kv_tiles_for(const AttentionParams& p, int q0) {
   return min(all, last_key / kBlockKV + 1);
 }
 
-template <int D, class T>
+// T: the output dtype (and the input dtype of fp16/bf16 Q). Path: the PV operand policy.
+// KS: how the K scales are laid out (per tile groups or per token).
+template <int D, class T, PVPath Path, KScales KS>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_kernel(const __grid_constant__ CUtensorMap tma_k,
                      const __grid_constant__ CUtensorMap tma_v, const AttentionParams p) {
+  using PV = PVOperand<D, Path>;
   extern __shared__ uint8_t smem_raw[];
-  auto& s = *reinterpret_cast<SharedStorage<D>*>(
+  auto& s = *reinterpret_cast<SharedStorage<D, PV::kVBytes>*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
   // Causal tiles on the diagonal's far end carry the most work: launch them first.
@@ -92,13 +102,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       prefetch_tma_descriptor(&tma_v);
       const int k_row0 = (b * p.heads_kv + hk) * p.n_pad;
       const int v_row0 = (b * p.heads_kv + hk) * D;
-      constexpr uint32_t kStageBytes = 2 * kBlockKV * D;
+      constexpr uint32_t kStageBytes = (1 + PV::kVBytes) * kBlockKV * D;
+      // A V tile row is kBlockKV * VBytes bytes: one 128-byte swizzle span per TMA box.
+      constexpr int kVBoxes = PV::kVBytes;
       for (int it = 0; it < n_tiles; ++it) {
         const int stage = it % kStages;
         mbar_wait(&s.empty[stage], ((it / kStages) & 1) ^ 1);
         mbar_expect_tx(&s.full[stage], kStageBytes);
         tma_load_2d(s.k[stage], &tma_k, &s.full[stage], 0, k_row0 + it * kBlockKV);
-        tma_load_2d(s.v[stage], &tma_v, &s.full[stage], it * kBlockKV, v_row0);
+#pragma unroll
+        for (int box = 0; box < kVBoxes; ++box)
+          tma_load_2d(s.v[stage] + box * D * 128, &tma_v, &s.full[stage],
+                      (it * kVBoxes + box) * 128, v_row0);
       }
     }
     return;
@@ -115,10 +130,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int causal_offset = p.n_kv - p.n_q;
   const int64_t kv_head = (int64_t)b * p.heads_kv + hk;
 
-  const T* q_head = static_cast<const T*>(p.q) + b * p.q_stride_b + h * p.q_stride_h;
+  // Prequantized Q is int8: the pointer arithmetic is in elements of whichever type q is.
+  const int64_t q_offset = b * p.q_stride_b + h * p.q_stride_h;
+  const T* q_head = p.q_scale ? reinterpret_cast<const T*>(static_cast<const int8_t*>(p.q) + q_offset)
+                              : static_cast<const T*>(p.q) + q_offset;
+  const float* q_scale_head = p.q_scale ? p.q_scale + b * p.qs_stride_b + h * p.qs_stride_h : nullptr;
   QOperand<D> qop;
   const bool want_lse = p.lse != nullptr;
-  qop.load(p, q_head, p.kv.k_mean + kv_head * D, rows, lane, 4 * cw + warp, s.reduce, s.q[cw],
+  qop.load(p, q_head, q_scale_head, p.kv.k_mean + kv_head * D, rows, min(kBlockQ, p.n_q - q0),
+           lane, 4 * cw + warp, s.reduce, &s.q_sum[0][0], s.q_mean[cw], s.q[cw],
            want_lse && p.smooth_k);
 
   OnlineSoftmax<kBlockKV> softmax;
@@ -126,10 +146,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
 
-  const float* k_scale = p.kv.k_scale + kv_head * (p.n_pad / kBlockKV) * kKScalesPerTile + t;
-  int32_t sacc[kBlockKV / 2];     // S of the current tile
-  float otile[D / 2];             // P V of the current tile (two-level accumulation)
-  uint32_t pa[kBlockKV / 32][4];  // P of the current tile, as FP8 A fragments
+  // per_tile: this thread's columns all fall in K group t of a tile (tile.h); per_token: one
+  // scale per column.
+  const float* k_scale = KS == KScales::per_token
+                             ? p.kv.k_scale + kv_head * p.n_pad
+                             : p.kv.k_scale + kv_head * (p.n_pad / kBlockKV) * kKScalesPerTile;
+  int32_t sacc[kBlockKV / 2];  // S of the current tile
 
   // One tile at a time per warpgroup: QK, softmax, PV. The two consumer warpgroups overlap
   // each other's softmax and MMAs through the warp schedulers. (An explicit pingpong that
@@ -143,32 +165,50 @@ __global__ void __launch_bounds__(kThreads, 1)
       mma_s8_ss<kBlockKV, true>(sacc, make_smem_desc(s.q[cw] + 32 * kc, D),
                                 make_smem_desc(s.k[stage] + 32 * kc, D));
   };
-  // O_tile = P V in a fresh accumulator: the FP8 MMA's ~fp22 accumulation stays inside one
-  // tile, and the tile is added into the fp32 output (two-level accumulation).
-  auto issue_pv = [&](int stage) {
-    mma_e4m3_rs<D, false>(otile, pa[0], make_smem_desc(s.v[stage], kBlockKV));
-#pragma unroll
-    for (int kc = 1; kc < kBlockKV / 32; ++kc)
-      mma_e4m3_rs<D, true>(otile, pa[kc], make_smem_desc(s.v[stage] + 32 * kc, kBlockKV));
-  };
-
   for (int it = 0; it < n_tiles; ++it) {
     const int stage = it % kStages;
-    const float ks = k_scale[it * kKScalesPerTile];
+    const float ks_tile = KS == KScales::per_tile ? k_scale[it * kKScalesPerTile + t] : 0.f;
     mbar_wait(&s.full[stage], (it / kStages) & 1);
 
     wgmma_fence();
     issue_qk(stage);
     wgmma_commit();
+    // Q smoothing: each thread computes one key's bias while the QK MMA runs.
+    if (p.smooth_q) {
+      const int j = threadIdx.x % 128;
+      const float kj_scale = KS == KScales::per_token
+                                 ? k_scale[it * kBlockKV + j]
+                                 : k_scale[it * kKScalesPerTile + (j % 8) / 2];
+      s.key_bias[cw][it & 1][j] =
+          smooth_q_key_bias<D>(s.k[stage], j, s.q_mean[cw], kj_scale, p.sm_scale_log2);
+      named_barrier_sync(4 + cw, 128);
+    }
     wgmma_wait<0>();
     reg_fence(sacc);
 
-    const float mult[2] = {rules::score_multiplier(qop.scale[0], ks, p.sm_scale_log2),
-                           rules::score_multiplier(qop.scale[1], ks, p.sm_scale_log2)};
     float sc[kBlockKV / 2];
+    if constexpr (KS == KScales::per_token) {
 #pragma unroll
-    for (int i = 0; i < kBlockKV / 2; ++i)
-      sc[i] = float(sacc[i]) * mult[frag::acc_row(i)];
+      for (int j = 0; j < kBlockKV / 8; ++j) {
+        const float2 ks = *reinterpret_cast<const float2*>(k_scale + it * kBlockKV + 8 * j + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 4 * j + e;
+          sc[i] = float(sacc[i]) * rules::score_multiplier(qop.scale[frag::acc_row(i)],
+                                                           e % 2 ? ks.y : ks.x, p.sm_scale_log2);
+        }
+      }
+    } else {
+      const float mult[2] = {rules::score_multiplier(qop.scale[0], ks_tile, p.sm_scale_log2),
+                             rules::score_multiplier(qop.scale[1], ks_tile, p.sm_scale_log2)};
+#pragma unroll
+      for (int i = 0; i < kBlockKV / 2; ++i) sc[i] = float(sacc[i]) * mult[frag::acc_row(i)];
+    }
+    if (p.smooth_q) {
+      const float* bias = s.key_bias[cw][it & 1];
+#pragma unroll
+      for (int i = 0; i < kBlockKV / 2; ++i) sc[i] = __fadd_rn(sc[i], bias[frag::acc_col(i, t)]);
+    }
     const int kv0 = it * kBlockKV;
     const bool needs_mask =
         kv0 + kBlockKV > p.n_kv || (p.causal && kv0 + kBlockKV - 1 > wg_row0 + causal_offset);
@@ -180,19 +220,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (col >= p.n_kv || (p.causal && col > row + causal_offset)) sc[i] = -INFINITY;
       }
     }
-    float alpha[2];
-    softmax.update(sc, alpha);
-    pack_p_e4m3<kBlockKV>(sc, p.p_max, pa);
-
-    wgmma_fence();
-    issue_pv(stage);
-    wgmma_commit();
-    wgmma_wait<0>();
-    reg_fence(otile);
-    reg_fence(pa);
-    if (lane == 0) mbar_arrive(&s.empty[stage]);
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = o[i] * alpha[frag::acc_row(i)] + otile[i];
+    float alpha[2], p_sum[2];
+    softmax.update(sc, alpha, p_sum);
+    int32_t code_sum[2] = {0, 0};
+    PV::tile(o, sc, alpha, s.v[stage], p.p_max, code_sum, [&] {
+      if (lane == 0) mbar_arrive(&s.empty[stage]);
+    });
+    if (Path == PVPath::int8 && p.quantized_row_sum) {
+      // INT-FlashAttention: the denominator sums the quantized P (codes / 127).
+      const float q_sum[2] = {float(code_sum[0]) / p.p_max, float(code_sum[1]) / p.p_max};
+      softmax.add_row_sum(alpha, q_sum);
+    } else {
+      softmax.add_row_sum(alpha, p_sum);
+    }
   }
 
   // ---- epilogue: normalize, undo the V scale, add back the V mean, store -----------------

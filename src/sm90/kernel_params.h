@@ -16,16 +16,33 @@ constexpr int kBlockQ = 128;
 constexpr int kKScalesPerTile = 4;
 // Tokens per partial-statistics chunk of the K/V pre-pass.
 constexpr int kStatsChunk = 256;
+// The P V operand policies (pv_operand.cuh): which formats P and V take and how their
+// products accumulate. One kernel instantiation per path.
+enum class PVPath : int {
+  e4m3_two_level,  // SageAttention2: E4M3 P and V, FP8 MMA inside a tile, fp32 across tiles
+  e4m3_fp16x2,     // SageAttention2++: E4M3 P and V, f16 accumulator over two k32 MMAs
+  fp16,            // SageAttention (T/B): fp16 P and V, f16 accumulator over a tile
+  int8,            // SageAttention (vT/vB), INT-FlashAttention: INT8 P and V, s32 per tile
+};
+// Bytes per element of the transposed V tile each path streams.
+constexpr int v_bytes(PVPath path) { return path == PVPath::fp16 ? 2 : 1; }
+
+// How the K scales are stored: a few groups per 128-token tile (per_thread / per_block /
+// per_tensor, kKScalesPerTile slots) or one per token (per_token, prequantized inputs).
+enum class KScales : int { per_tile, per_token };
+
 // Statistics kept per (batch, kv head, chunk, channel).
 enum Stat : int { kSumK = 0, kMaxK, kMinK, kSumV, kMaxV, kMinV, kNumStats };
 
 // What the pre-pass writes and the attention kernel reads, per (batch, kv head).
 struct QuantizedKV {
-  int8_t* k;         // [B, Hkv, n_pad, D] int8, smoothed, row-major
-  uint8_t* vt;       // [B, Hkv, D, n_pad] e4m3, transposed, tokens permuted per 32 (pv_operand)
-  float* k_scale;    // [B, Hkv, n_pad / kBlockKV, kKScalesPerTile]
+  int8_t* k;         // [B, Hkv, n_pad, D] int8 (or int4 values), smoothed, row-major
+  uint8_t* vt;       // [B, Hkv, D, n_pad] transposed V: 8-bit codes with the tokens permuted
+                     // per 32 (quant::pv_position_of_token), or fp16 in token order
+  float* k_scale;    // per_tile: [B, Hkv, n_pad / kBlockKV, kKScalesPerTile]
+                     // per_token: [B, Hkv, n_pad]
   float* k_mean;     // [B, Hkv, D]  (zeros when K is not smoothed)
-  float* v_scale;    // [B, Hkv, D]  max|V'_c| / v_max
+  float* v_scale;    // [B, Hkv, D]  max|V'_c| / v_max (1 for fp16 V)
   float* v_mean;     // [B, Hkv, D]  (zeros when V is not smoothed)
   float* partials;   // [kNumStats, B, Hkv, chunks, D]
 };
@@ -37,8 +54,17 @@ struct KVQuantParams {
   int64_t v_stride_b, v_stride_h, v_stride_n;
   int batch, heads_kv, n_kv, n_pad, chunks;
   Granularity k_granularity;
+  int k_max;  // the largest K code: 127 (int8) or 7 (int4 values)
   bool smooth_k, smooth_v;
-  float v_max;  // the format value max|V'_c| maps to (448 for e4m3, or recipe.v_range)
+  PVPath pv_path;  // decides V's format in the workspace
+  bool v_per_tensor;  // one V scale for all channels (INT-FlashAttention)
+  float v_max;  // the format value max|V'_c| maps to (448 e4m3, 127 int8, or recipe.v_range)
+  // Prequantized inputs (k and v are int8 codes): per-token K scales [B, Hkv, n_kv] and V
+  // scales [B, Hkv] or [B, Hkv, D] (v_per_tensor says which); strides in elements.
+  const float* k_scale_in;
+  int64_t ks_stride_b, ks_stride_h, ks_stride_n;
+  const float* v_scale_in;
+  int64_t vs_stride_b, vs_stride_h, vs_stride_c;
   QuantizedKV out;
 };
 
@@ -51,9 +77,15 @@ struct AttentionParams {
   int64_t lse_stride_b, lse_stride_h, lse_stride_n;
   int batch, heads_q, heads_kv, n_q, n_kv, n_pad, n_q_tiles;
   float sm_scale, sm_scale_log2;
-  float p_max;  // P~ is scaled by this before the FP8 conversion (448 or recipe.p_range)
+  float p_max;  // P~ is scaled by this before its conversion (448, 127, 1 for fp16, or p_range)
   Granularity q_granularity;
+  int q_max;  // the largest Q code: 127 (int8) or 7 (int4 values)
   bool causal, smooth_k, smooth_v;
+  bool smooth_q;           // subtract the Q tile's mean, add dS = mean(Q) K^T back per key
+  bool quantized_row_sum;  // int8 P: the softmax denominator sums the quantized P
+  // Prequantized Q (int8 codes in q) with per-token scales [B, Hq, n_q]; null otherwise.
+  const float* q_scale;
+  int64_t qs_stride_b, qs_stride_h, qs_stride_n;
   QuantizedKV kv;
 };
 

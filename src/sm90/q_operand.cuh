@@ -30,14 +30,18 @@ struct QOperand {
   float scale[2];      // dequantization scale of rows g and g+8
   float dot_kmean[2];  // q_row . mean(K): the row shift K smoothing removed (for the LSE)
 
-  // rows[0], rows[1]: the thread's two Q rows (may be >= n_q: then zeros).
-  // consumer_warp: 0..7 over both consumer warpgroups; s_red: 8 floats of shared memory;
-  // s_q: this warpgroup's [64 x D] INT8 tile (1024-byte aligned), written swizzled.
+  // rows[0], rows[1]: the thread's two Q rows (may be >= n_q: then zeros). tile_rows: rows of
+  // the CTA's Q tile inside n_q. consumer_warp: 0..7 over both consumer warpgroups.
+  // Shared memory: s_red 8 floats; s_sum [8][D] doubles and s_mean [D] floats (this
+  // warpgroup's copy) for Q smoothing; s_q this warpgroup's [64 x D] INT8 tile (1024-byte
+  // aligned), written swizzled.
   template <class T>
-  __device__ void load(const AttentionParams& p, const T* q_head, const float* k_mean_head,
-                       const int (&rows)[2], int lane, int consumer_warp, float* s_red,
-                       int8_t* s_q, bool want_dot_kmean) {
+  __device__ void load(const AttentionParams& p, const T* q_head, const float* q_scale_head,
+                       const float* k_mean_head, const int (&rows)[2], int tile_rows, int lane,
+                       int consumer_warp, float* s_red, double* s_sum, float* s_mean, int8_t* s_q,
+                       bool want_dot_kmean) {
     const int t = frag::quad_of_lane(lane);
+    const bool prequantized = q_scale_head != nullptr;
     float x[kChunks][2][2][4];  // [k slice][half][row][4 channels]
     float amax[2] = {0.f, 0.f};
 #pragma unroll
@@ -47,14 +51,17 @@ struct QOperand {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int col = 32 * kc + 16 * half + 4 * t;
-          if (rows[r] < p.n_q) {
-            gpu::load4(q_head + (int64_t)rows[r] * p.q_stride_n + col, x[kc][half][r]);
-          } else {
+          if (rows[r] >= p.n_q) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) x[kc][half][r][i] = 0.f;
+          } else if (prequantized) {  // INT8 codes: q_head really points at int8
+            const int64_t at = (int64_t)rows[r] * p.q_stride_n + col;
+            const char4 c = *reinterpret_cast<const char4*>(reinterpret_cast<const int8_t*>(q_head) + at);
+            x[kc][half][r][0] = c.x, x[kc][half][r][1] = c.y, x[kc][half][r][2] = c.z,
+            x[kc][half][r][3] = c.w;
+          } else {
+            gpu::load4(q_head + (int64_t)rows[r] * p.q_stride_n + col, x[kc][half][r]);
           }
-#pragma unroll
-          for (int i = 0; i < 4; ++i) amax[r] = fmaxf(amax[r], fabsf(x[kc][half][r][i]));
         }
 
     dot_kmean[0] = dot_kmean[1] = 0.f;
@@ -72,6 +79,16 @@ struct QOperand {
       dot_kmean[0] = frag::quad_sum(dot_kmean[0]);
       dot_kmean[1] = frag::quad_sum(dot_kmean[1]);
     }
+    if (p.smooth_q) subtract_tile_mean(x, rows, p.n_q, tile_rows, lane, consumer_warp, s_sum, s_mean);
+
+#pragma unroll
+    for (int kc = 0; kc < kChunks; ++kc)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) amax[r] = fmaxf(amax[r], fabsf(x[kc][half][r][i]));
 
     // The group map of tile.h, as reductions over the threads that share a group.
     switch (p.q_granularity) {
@@ -98,11 +115,19 @@ struct QOperand {
     }
 
     float inv[2];
+    const float q_max = float(p.q_max);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      scale[r] = rules::symmetric_scale(amax[r], rules::kInt8Max);
-      inv[r] = rules::symmetric_inverse(amax[r], rules::kInt8Max);
+      if (prequantized) {  // the codes go in as they are, with the caller's scales
+        scale[r] = rows[r] < p.n_q ? q_scale_head[(int64_t)rows[r] * p.qs_stride_n] : 0.f;
+        inv[r] = 1.f;
+      } else {
+        scale[r] = rules::symmetric_scale(amax[r], q_max);
+        inv[r] = rules::symmetric_inverse(amax[r], q_max);
+      }
     }
+    // Prequantized codes may be -128, which the symmetric clamp would move.
+    const int clamp = prequantized ? 128 : p.q_max;
     const int warp_row0 = 16 * (consumer_warp % 4) + frag::group_of_lane(lane);
 #pragma unroll
     for (int kc = 0; kc < kChunks; ++kc)
@@ -112,17 +137,71 @@ struct QOperand {
         for (int r = 0; r < 2; ++r) {
           int32_t c[4];
 #pragma unroll
-          for (int i = 0; i < 4; ++i)
-            c[i] = rules::round_clamp(x[kc][half][r][i] * inv[r], rules::kInt8Max);
+          for (int i = 0; i < 4; ++i) c[i] = rules::round_clamp(x[kc][half][r][i] * inv[r], clamp);
           const int row = warp_row0 + 8 * r, col = 32 * kc + 16 * half + 4 * t;
           *reinterpret_cast<uint32_t*>(s_q + swizzled_offset(row, col, D)) =
               frag::pack_bytes(c[0], c[1], c[2], c[3]);
         }
     // The MMA reads the tile through the async proxy: make the stores visible to it, then
-    // wait for the whole warpgroup.
+    // wait for the whole warpgroup (which also publishes s_mean).
     fence_proxy_async();
     named_barrier_sync(2 + consumer_warp / 4, 128);
   }
+
+ private:
+  // Q smoothing (SageAttention2): subtract the mean over the CTA's Q tile (both warpgroups,
+  // tile_rows valid rows) from every valid row. Sums run in double: a sum of at most 128
+  // fp16/bf16 values is exact there, so the mean has the simulator's bits in any order.
+  __device__ void subtract_tile_mean(float (&x)[kChunks][2][2][4], const int (&rows)[2], int n_q,
+                                     int tile_rows, int lane, int consumer_warp, double* s_sum,
+                                     float* s_mean) {
+    const int t = frag::quad_of_lane(lane);
+#pragma unroll
+    for (int kc = 0; kc < kChunks; ++kc)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          double cs = double(x[kc][half][0][i]) + double(x[kc][half][1][i]);
+#pragma unroll
+          for (int off = 4; off < 32; off *= 2) cs += __shfl_xor_sync(0xffffffffu, cs, off);
+          if (lane < 4) s_sum[consumer_warp * D + 32 * kc + 16 * half + 4 * t + i] = cs;
+        }
+    named_barrier_sync(1, 256);
+#pragma unroll
+    for (int kc = 0; kc < kChunks; ++kc)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int c = 32 * kc + 16 * half + 4 * t + i;
+          double total = 0.0;
+#pragma unroll
+          for (int w = 0; w < 8; ++w) total += s_sum[w * D + c];
+          const float mean = float(total / double(tile_rows));
+          if (consumer_warp % 4 == 0 && lane < 4) s_mean[c] = mean;
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            if (rows[r] < n_q) x[kc][half][r][i] -= mean;
+        }
+  }
 };
+
+// Q smoothing's logit bias of key j of the tile in shared memory: dS_j = mean(Q_tile) . K_j,
+// dequantized and in the base-2 logit domain, with the simulator's operation order (channel
+// order, no fused multiply-adds) so that it has the simulator's bits.
+template <int D>
+__device__ __forceinline__ float smooth_q_key_bias(const int8_t* k_tile, int j, const float* q_mean,
+                                                   float k_scale, float sm_scale_log2) {
+  float acc = 0.f;
+#pragma unroll
+  for (int c0 = 0; c0 < D; c0 += 16) {
+    const int4 w = *reinterpret_cast<const int4*>(k_tile + swizzled_offset(j, c0, D));
+    const int8_t* b = reinterpret_cast<const int8_t*>(&w);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc = __fadd_rn(acc, __fmul_rn(q_mean[c0 + i], float(b[i])));
+  }
+  return __fmul_rn(__fmul_rn(k_scale, acc), sm_scale_log2);
+}
 
 }  // namespace sage::sm90

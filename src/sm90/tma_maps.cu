@@ -47,12 +47,14 @@ CUtensorMap encode_2d_u8(void* base, uint64_t inner, uint64_t outer, uint32_t bo
 
 }  // namespace
 
-AttentionMaps make_attention_maps(const AttentionParams& p, int head_dim) {
+AttentionMaps make_attention_maps(const AttentionParams& p, int head_dim, int v_bytes) {
   const uint64_t kv_heads = uint64_t(p.batch) * p.heads_kv;
   AttentionMaps m;
   m.k = encode_2d_u8(p.kv.k, head_dim, kv_heads * p.n_pad, head_dim, kBlockKV,
                      head_dim == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B);
-  m.v = encode_2d_u8(p.kv.vt, p.n_pad, kv_heads * head_dim, kBlockKV, head_dim,
+  // V rows hold n_pad tokens of v_bytes each; a box is one 128-byte swizzle span (128 8-bit
+  // tokens, or 64 fp16 ones: the kernel loads two boxes per fp16 tile).
+  m.v = encode_2d_u8(p.kv.vt, uint64_t(p.n_pad) * v_bytes, kv_heads * head_dim, 128, head_dim,
                      CU_TENSOR_MAP_SWIZZLE_128B);
   return m;
 }

@@ -15,7 +15,7 @@ using namespace sage;
 #ifdef SAGE_WITH_CUDA
 class GpuArgs : public ::testing::Test {
  protected:
-  static constexpr int64_t B = 1, H = 2, N = 16, D = 64;
+  static constexpr int64_t B = 1, H = 2, N = 16, D = 128;
   // 256-byte aligned host storage standing in for device memory (never dereferenced).
   void* storage() {
     buffers_.push_back(std::make_unique<uint8_t[]>(B * H * (N + 8) * D * 2 + 512));
@@ -55,7 +55,69 @@ TEST_F(GpuArgs, ValidArgumentsGiveAWorkspaceSize) {
 TEST_F(GpuArgs, RecipeWithoutKernelIsRefusedByName) {
   AttentionArgs a = make();
   a.recipe = preset("sage3_fp4");
-  expect_error(a, "recipe", "'sage3_fp4' has no sm_90 kernel yet");
+  expect_error(a, "recipe", "'sage3_fp4' has no sm_90 kernel");
+  // A custom combination outside the kernels' policies is refused too, naming what is missing.
+  a.recipe = preset("sage2_8b");
+  a.recipe.name = "e5m2_pv";
+  a.recipe.pv_format = PVFormat::e5m2;
+  expect_error(a, "recipe", "'e5m2_pv' has no sm_90 kernel (the GPU path needs P V as e4m3");
+}
+
+// Every preset except SageAttention3's FP4 has a kernel; the rule is the one attention() uses.
+TEST_F(GpuArgs, EveryPresetButFp4HasAKernel) {
+  for (const Recipe& r : presets()) EXPECT_EQ(gpu_supports(r), r.name != "sage3_fp4") << r.name;
+  Recipe r = preset("sage2_8b");
+  r.qk_granularity = Granularity::per_tensor;  // Q per tensor would need a grid-wide pass
+  EXPECT_FALSE(gpu_supports(r));
+}
+
+// The workspace depends on the K/V shapes and the recipe's V format: fp16 V takes two bytes.
+TEST_F(GpuArgs, KvWorkspaceBytesFollowTheVFormat) {
+  const AttentionArgs a = make();
+  EXPECT_EQ(kv_workspace_bytes(B, H, N, D, a.recipe), workspace_bytes(a));
+  const size_t fp8 = kv_workspace_bytes(B, H, 4096, D, preset("sage2_8b"));
+  const size_t fp16 = kv_workspace_bytes(B, H, 4096, D, preset("sage1_t"));
+  EXPECT_EQ(fp16 - fp8, size_t(B * H * 4096 * D));
+  EXPECT_EQ(kv_workspace_bytes(0, H, N, D, a.recipe), kv_workspace_bytes(0, 0, 0, D, a.recipe));
+  try {
+    kv_workspace_bytes(B, H, -1, D, a.recipe);
+    ADD_FAILURE() << "a negative n_kv was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "n_kv");
+  }
+  try {
+    kv_workspace_bytes(B, H, N, D, preset("sage3_fp4"));
+    ADD_FAILURE() << "a recipe without a kernel was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "recipe");
+  }
+}
+
+// quantize_kv checks only the K/V half: q and out may be undefined, and an error about k
+// names k (its checks run as the self-attention call q = k would).
+TEST_F(GpuArgs, QuantizeKvChecksOnlyTheKvHalf) {
+  AttentionArgs a = make();
+  a.q = TensorView{};
+  a.out = TensorView{};
+  EXPECT_EQ(check_kv_args(a, DeviceKind::cuda).heads_kv, H);
+  a.k.dtype = DType::f32;
+  a.v.dtype = DType::f32;
+  try {
+    check_kv_args(a, DeviceKind::cuda);
+    ADD_FAILURE() << "f32 k was accepted on cuda";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "k") << e.what();
+    EXPECT_NE(std::string(e.what()).find("k: dtype must be f16 or bf16"), std::string::npos) << e.what();
+  }
+  a = make();
+  a.q = TensorView{};
+  a.v.shape[2] = N + 1;
+  try {
+    quantize_kv(a, storage(), 1 << 20, nullptr);
+    ADD_FAILURE() << "mismatched v tokens were accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "v") << e.what();
+  }
 }
 
 TEST_F(GpuArgs, MisalignedInputPointer) {

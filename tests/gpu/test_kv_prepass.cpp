@@ -47,6 +47,7 @@ TEST(KVPrepass, MatchesCpuQuantization) {
   p.k_stride_n = p.v_stride_n = D;
   p.batch = 1, p.heads_kv = 1, p.n_kv = n, p.n_pad = n_pad, p.chunks = chunks;
   p.k_granularity = Granularity::per_thread;
+  p.k_max = 127, p.pv_path = sm90::PVPath::e4m3_two_level;
   p.smooth_k = true, p.smooth_v = false, p.v_max = 448.f;
   p.out.k = static_cast<int8_t*>(dev(n_pad * D));
   p.out.vt = static_cast<uint8_t*>(dev(n_pad * D));

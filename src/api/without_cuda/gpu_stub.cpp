@@ -20,6 +20,14 @@ size_t workspace_bytes(const AttentionArgs&) { no_cuda(); }
 
 void attention(const AttentionArgs&, void*, size_t, void*) { no_cuda(); }
 
+size_t kv_workspace_bytes(int64_t, int64_t, int64_t, int64_t, const Recipe&) { no_cuda(); }
+
+void quantize_kv(const AttentionArgs&, void*, size_t, void*) { no_cuda(); }
+
+void attention_from_quantized_kv(const AttentionArgs&, const void*, size_t, void*) { no_cuda(); }
+
+bool gpu_supports(const Recipe&) { return false; }
+
 bool gpu_available() { return false; }
 
 const char* gpu_head_dims() { return ""; }

@@ -1,0 +1,228 @@
+// P V operand policies: how one K/V tile's probabilities P~ (in the S accumulator layout)
+// become the A operand of the PV MMA, which MMA multiplies them with the V tile in shared
+// memory, and how the tile's product is folded into the fp32 output accumulator.
+//
+// A recipe's PV choices (format of P and V, P scale, accumulator) meet only here and in the
+// K/V pre-pass that writes V in the format the policy reads (quant/kv_prepass.cu). Adding a
+// format is one more specialization of PVOperand plus its V encoding; the kernel skeleton
+// (attention_kernel.cuh) does not change (docs/recipes_on_gpu.md shows the diff of one).
+//
+// Every policy has the same shape:
+//   kVBytes                      bytes per V element in the shared-memory tile
+//   tile(o, p, alpha, v, p_max, code_sum, release)
+//     o        fp32 output accumulator of the thread, [D / 2]
+//     p        P~ of the tile in [0, 1], [kBlockKV / 2] in the accumulator layout
+//     alpha    the online-softmax rescale of rows g and g + 8
+//     v        the V tile of this stage: [D rows x kBlockKV tokens], K-major, 128B swizzle
+//     code_sum integer P only: the sum of the thread's P codes per row (quantized row sum)
+//     release  called once the MMAs have read the stage (frees it for the producer)
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "sm90/fragment.cuh"
+#include "sm90/kernel_params.h"
+#include "sm90/ptx.cuh"
+#include "sm90/wgmma_ops.cuh"
+
+namespace sage::sm90 {
+
+// ---- P to 8-bit A fragments ------------------------------------------------------------------
+
+// Two scaled probabilities to two bytes (`lo` in the low byte) of E4M3 or of INT8 codes.
+struct E4m3Pair {
+  __device__ __forceinline__ uint32_t operator()(float lo, float hi, int32_t&) const {
+    return pack_e4m3x2(lo, hi);
+  }
+};
+struct Int8Pair {  // codes of P~ * 127 >= 0: round to nearest even, as rules::round_clamp
+  __device__ __forceinline__ uint32_t operator()(float lo, float hi, int32_t& sum) const {
+    const int32_t a = round_sat_s8(lo), b = round_sat_s8(hi);
+    sum += a + b;
+    return uint32_t(a) | (uint32_t(b) << 8);
+  }
+};
+
+// P~ times p_max, as the A fragments of the 8-bit PV MMA: slice kc takes the accumulator
+// chunks 4kc..4kc+3. The bytes land in the permuted token order that the K/V pre-pass
+// stored V in (quant::pv_position_of_token), so no register shuffles are needed.
+template <int N, class Pair>
+__device__ __forceinline__ void pack_p_8bit(const float (&p)[N / 2], float p_max,
+                                            uint32_t (&a)[N / 32][4], int32_t (&code_sum)[2],
+                                            Pair pair) {
+#pragma unroll
+  for (int kc = 0; kc < N / 32; ++kc) {
+    const int j = 16 * kc;  // first accumulator index of chunk 4kc
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      // row r of chunks (4kc, 4kc+1) -> a[r]; of chunks (4kc+2, 4kc+3) -> a[2 + r]
+      const int e = 2 * r;
+      int32_t& s = code_sum[r];
+      const uint32_t lo0 = pair(p[j + e] * p_max, p[j + e + 1] * p_max, s);
+      const uint32_t hi0 = pair(p[j + 4 + e] * p_max, p[j + 4 + e + 1] * p_max, s);
+      const uint32_t lo1 = pair(p[j + 8 + e] * p_max, p[j + 8 + e + 1] * p_max, s);
+      const uint32_t hi1 = pair(p[j + 12 + e] * p_max, p[j + 12 + e + 1] * p_max, s);
+      a[kc][r] = lo0 | (hi0 << 16);
+      a[kc][2 + r] = lo1 | (hi1 << 16);
+    }
+  }
+}
+
+// Descriptor of the k32 slice kc of an 8-bit V tile (rows of kBlockKV = 128 bytes).
+__device__ __forceinline__ uint64_t v8_slice(const uint8_t* v, int kc) {
+  return make_smem_desc(v + 32 * kc, kBlockKV);
+}
+
+template <int D, PVPath Path>
+struct PVOperand;
+
+// SageAttention2: E4M3 P (static scale) and V (per channel). The FP8 MMA accumulates with
+// ~fp22 precision inside the tile; the tile is then added into fp32 (two-level).
+template <int D>
+struct PVOperand<D, PVPath::e4m3_two_level> {
+  static constexpr int kVBytes = 1;
+  template <class Release>
+  __device__ __forceinline__ static void tile(float (&o)[D / 2], const float (&p)[kBlockKV / 2],
+                                              const float (&alpha)[2], const uint8_t* v,
+                                              float p_max, int32_t (&code_sum)[2],
+                                              Release release) {
+    uint32_t pa[kBlockKV / 32][4];
+    pack_p_8bit<kBlockKV>(p, p_max, pa, code_sum, E4m3Pair{});
+    float otile[D / 2];
+    wgmma_fence();
+    mma_e4m3_rs<D, false>(otile, pa[0], v8_slice(v, 0));
+#pragma unroll
+    for (int kc = 1; kc < kBlockKV / 32; ++kc) mma_e4m3_rs<D, true>(otile, pa[kc], v8_slice(v, kc));
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(otile);
+    reg_fence(pa);
+    release();
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = o[i] * alpha[frag::acc_row(i)] + otile[i];
+  }
+};
+
+// SageAttention2++: E4M3 P and V with narrowed ranges, each pair of k32 MMAs accumulating in
+// an f16 accumulator, each pair's sum then added into the (already rescaled) fp32 output.
+// The f16 accumulators take half the registers of the fp32 tile sum of two_level.
+template <int D>
+struct PVOperand<D, PVPath::e4m3_fp16x2> {
+  static constexpr int kVBytes = 1;
+  template <class Release>
+  __device__ __forceinline__ static void tile(float (&o)[D / 2], const float (&p)[kBlockKV / 2],
+                                              const float (&alpha)[2], const uint8_t* v,
+                                              float p_max, int32_t (&code_sum)[2],
+                                              Release release) {
+    static_assert(kBlockKV == 128, "two f16 accumulators cover the tile's two 64-token pairs");
+    uint32_t pa[kBlockKV / 32][4];
+    pack_p_8bit<kBlockKV>(p, p_max, pa, code_sum, E4m3Pair{});
+    uint32_t pair0[D / 4], pair1[D / 4];
+    wgmma_fence();
+    mma_e4m3_rs_f16acc<D, false>(pair0, pa[0], v8_slice(v, 0));
+    mma_e4m3_rs_f16acc<D, true>(pair0, pa[1], v8_slice(v, 1));
+    wgmma_commit();
+    mma_e4m3_rs_f16acc<D, false>(pair1, pa[2], v8_slice(v, 2));
+    mma_e4m3_rs_f16acc<D, true>(pair1, pa[3], v8_slice(v, 3));
+    wgmma_commit();
+    // The rescale overlaps the MMAs; the first pair is added while the second runs.
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[frag::acc_row(i)];
+    wgmma_wait<1>();
+    reg_fence(pair0);
+    add_f16_pairs(o, pair0);
+    wgmma_wait<0>();
+    reg_fence(pair1);
+    reg_fence(pa);
+    release();
+    add_f16_pairs(o, pair1);
+  }
+
+ private:
+  // f16 accumulator register i packs the fp32-layout values 2i (low half) and 2i + 1.
+  __device__ __forceinline__ static void add_f16_pairs(float (&o)[D / 2], const uint32_t (&h)[D / 4]) {
+#pragma unroll
+    for (int i = 0; i < D / 4; ++i) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h[i]));
+      o[2 * i] += f.x;
+      o[2 * i + 1] += f.y;
+    }
+  }
+};
+
+// SageAttention T/B: fp16 P and fp16 V on the 16-bit MMA with an f16 accumulator over the
+// tile (the paper's consumer-GPU choice; on Hopper it runs at the 16-bit rate, half the 8-bit
+// one). The S accumulator layout is already the k16 A layout, so P needs no permutation and V
+// is stored in token order, as two 64-token halves of 128-byte rows.
+template <int D>
+struct PVOperand<D, PVPath::fp16> {
+  static constexpr int kVBytes = 2;
+  template <class Release>
+  __device__ __forceinline__ static void tile(float (&o)[D / 2], const float (&p)[kBlockKV / 2],
+                                              const float (&alpha)[2], const uint8_t* v, float,
+                                              int32_t (&)[2], Release release) {
+    constexpr int kSlices = kBlockKV / 16;
+    uint32_t pa[kSlices][4];
+#pragma unroll
+    for (int kc = 0; kc < kSlices; ++kc)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const __half2 h = __floats2half2_rn(p[8 * kc + 2 * r], p[8 * kc + 2 * r + 1]);
+        pa[kc][r] = *reinterpret_cast<const uint32_t*>(&h);
+      }
+    uint32_t acc[D / 4];
+    wgmma_fence();
+    mma_f16_rs_f16acc<D, false>(acc, pa[0], v16_slice(v, 0));
+#pragma unroll
+    for (int kc = 1; kc < kSlices; ++kc) mma_f16_rs_f16acc<D, true>(acc, pa[kc], v16_slice(v, kc));
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(acc);
+    reg_fence(pa);
+    release();
+#pragma unroll
+    for (int i = 0; i < D / 4; ++i) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&acc[i]));
+      o[2 * i] = o[2 * i] * alpha[frag::acc_row(2 * i)] + f.x;
+      o[2 * i + 1] = o[2 * i + 1] * alpha[frag::acc_row(2 * i + 1)] + f.y;
+    }
+  }
+
+ private:
+  // k16 slice kc: 32 bytes into the row of its 64-token half.
+  __device__ __forceinline__ static uint64_t v16_slice(const uint8_t* v, int kc) {
+    return make_smem_desc(v + (kc / 4) * (D * 128) + (kc % 4) * 32, 128);
+  }
+};
+
+// SageAttention vT/vB and INT-FlashAttention: INT8 P (static 1/127) and INT8 V on the
+// integer MMA, exact in s32 within a tile, converted once per tile. The thread's code sums
+// per row are returned for the quantized row sum.
+template <int D>
+struct PVOperand<D, PVPath::int8> {
+  static constexpr int kVBytes = 1;
+  template <class Release>
+  __device__ __forceinline__ static void tile(float (&o)[D / 2], const float (&p)[kBlockKV / 2],
+                                              const float (&alpha)[2], const uint8_t* v,
+                                              float p_max, int32_t (&code_sum)[2],
+                                              Release release) {
+    uint32_t pa[kBlockKV / 32][4];
+    pack_p_8bit<kBlockKV>(p, p_max, pa, code_sum, Int8Pair{});
+    int32_t acc[D / 2];
+    wgmma_fence();
+    mma_s8_rs<D, false>(acc, pa[0], v8_slice(v, 0));
+#pragma unroll
+    for (int kc = 1; kc < kBlockKV / 32; ++kc) mma_s8_rs<D, true>(acc, pa[kc], v8_slice(v, kc));
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(acc);
+    reg_fence(pa);
+    release();
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = o[i] * alpha[frag::acc_row(i)] + float(acc[i]);
+  }
+};
+
+}  // namespace sage::sm90
