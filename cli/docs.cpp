@@ -2,12 +2,15 @@
 //
 // Everything in the page is computed here, so the page cannot drift from the code: the
 // options come from presets(), the error from simulate() vs exact() at a fixed size and seed
-// (so regenerating gives the same bytes), the speed from a bench result file when present.
+// (so regenerating gives the same bytes), the speed from bench result files (cells without a
+// record say "not measured").
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <iostream>
 #include <map>
 #include <sstream>
+#include <tuple>
 
 #include "accuracy.h"
 #include "common.h"
@@ -135,16 +138,32 @@ std::string accum_words(const Recipe& r) {
   return "";
 }
 
-// ---- GPU speed from a bench result file ---------------------------------------------------
+// ---- GPU speed from bench result files ----------------------------------------------------
+//
+// The speed table is generated from runs, never typed: a cell holds the TOPS of a record in a
+// results file, "refused" where the run recorded the GPU path refusing the preset, and "not
+// measured" otherwise. Its points are fixed (not taken from the files), so a preset or a point
+// that no run covered shows as "not measured" instead of disappearing from the page.
+// `bench/bench_sdpa.py --recipes all` (scripts/gpu_run.sh's "recipes" stage) times every
+// preset at exactly these points.
+constexpr int kSpeedDims[] = {64, 128};
+constexpr int kSpeedNs[] = {1024, 4096, 16384};
 
-struct SpeedPoint {
-  std::string impl, recipe, dtype, device;
+struct SpeedCell {
   double tops = NAN;
+  std::string refusal;  // the GPU path's message when the run recorded a refusal
+};
+
+struct SpeedData {
+  std::map<std::tuple<std::string, std::string, int, int>, SpeedCell> cells;  // impl, recipe, d, n
+  std::vector<std::string> impls;                                              // baselines, in file order
+  std::vector<std::string> devices;
+  std::vector<std::string> notes;  // files that are missing or unreadable
 };
 
 void collect(const JsonValue& j, std::vector<const JsonValue*>& out) {
   if (j.kind == JsonValue::object) {
-    if (j.get("tops") && j.get("d") && j.get("n")) {
+    if (j.get("d") && j.get("n") && (j.get("tops") || j.get("status"))) {
       out.push_back(&j);
       return;
     }
@@ -164,78 +183,121 @@ bool is_false(const JsonValue* j) {
 
 std::string text(const JsonValue* j) { return j && j->kind == JsonValue::string ? j->str : ""; }
 
-// The records at d = 128, non-causal, N = 16K; fp16 ones win over others of the same
-// implementation and recipe.
-std::vector<SpeedPoint> read_speed(const std::string& path, std::string* problem) {
-  std::ifstream f(path);
-  if (!f) return {};
-  std::stringstream ss;
-  ss << f.rdbuf();
-  JsonValue doc;
-  try {
-    doc = parse_json(ss.str());
-  } catch (const std::exception& e) {
-    *problem = e.what();
-    return {};
-  }
-  std::vector<const JsonValue*> recs;
-  collect(doc, recs);
-  std::map<std::pair<std::string, std::string>, SpeedPoint> best;
-  for (const JsonValue* r : recs) {
-    const JsonValue *d = r->get("d"), *n = r->get("n"), *t = r->get("tops");
-    if (!d || d->kind != JsonValue::number || d->num != 128) continue;
-    if (!n || n->kind != JsonValue::number || n->num != 16384) continue;
-    if (!is_false(r->get("causal"))) continue;
-    if (!t || t->kind != JsonValue::number) continue;
-    SpeedPoint p;
-    p.impl = r->get("impl") ? text(r->get("impl")) : "sagekit";
-    p.recipe = text(r->get("recipe"));
-    p.dtype = text(r->get("dtype"));
-    p.device = text(r->get("device"));
-    p.tops = t->num;
-    const auto key = std::make_pair(p.impl, p.recipe);
-    const bool fp16 = p.dtype.empty() || p.dtype == "fp16" || p.dtype == "float16";
-    auto it = best.find(key);
-    if (it == best.end() || (fp16 && !(it->second.dtype.empty() || it->second.dtype == "fp16" ||
-                                       it->second.dtype == "float16")))
-      best[key] = p;
-  }
-  std::vector<SpeedPoint> out;
-  for (auto& kv : best) out.push_back(kv.second);
-  return out;
+int integer_of(const JsonValue* j) {
+  return j && j->kind == JsonValue::number && j->num == std::floor(j->num) ? static_cast<int>(j->num) : -1;
 }
 
-void write_speed(std::ostream& os, const std::string& bench_path) {
-  os << "## GPU speed\n\n"
-     << "The H100 column is filled from `" << bench_path
-     << "` when that file is present (records with keys `impl`, `recipe`, `d`, `causal`, `n`, "
-        "`tops`, as `sage bench --json` and `bench/` write them): TOPS of the whole call at "
-        "d = 128, non-causal, N = 16K, fp16, 32 heads, batch 2. Regenerate this page after a "
-        "new measurement.\n\n";
-  std::string problem;
-  const std::vector<SpeedPoint> pts = read_speed(bench_path, &problem);
-  std::ifstream probe(bench_path);
-  if (!probe)
-    os << "`" << bench_path << "` does not exist yet, so nothing has been measured.\n\n";
-  else if (!problem.empty())
-    os << "`" << bench_path << "` could not be read (" << problem << ").\n\n";
-  Table t({"preset", "H100 TOPS (d 128, N 16K, non-causal)"}, {false, true});
-  std::string device;
-  for (const Recipe& r : presets()) {
-    std::string cell = "not measured yet";
-    for (const SpeedPoint& p : pts)
-      if (p.impl == "sagekit" && p.recipe == r.name) {
-        cell = fixed(p.tops, 1);
-        if (device.empty()) device = p.device;
+// Whole-call, non-causal, fp16 records at the table's points, from each file in turn; a later
+// record for the same cell (later in its file, or in a later file) replaces an earlier one.
+// Kernel-only records (whole_call false) time the attention kernel without the K/V pre-pass;
+// they are a different quantity and are left out.
+SpeedData read_speed(const std::vector<std::string>& paths) {
+  SpeedData data;
+  for (const std::string& path : paths) {
+    std::string content;
+    if (!read_text_file(path, &content)) {
+      data.notes.push_back("`" + path + "` does not exist yet.");
+      continue;
+    }
+    JsonValue doc;
+    try {
+      doc = parse_json(content);
+    } catch (const std::exception& e) {
+      data.notes.push_back("`" + path + "` could not be read (" + e.what() + ").");
+      continue;
+    }
+    std::vector<const JsonValue*> recs;
+    collect(doc, recs);
+    for (const JsonValue* r : recs) {
+      const int d = integer_of(r->get("d")), n = integer_of(r->get("n"));
+      if (!is_false(r->get("causal")) || is_false(r->get("whole_call"))) continue;
+      const std::string dtype = text(r->get("dtype"));
+      if (!(dtype.empty() || dtype == "fp16" || dtype == "float16")) continue;
+      const std::string impl = r->get("impl") ? text(r->get("impl")) : "sagekit";
+      const std::string recipe = impl == "sagekit" ? text(r->get("recipe")) : "";
+      const JsonValue* t = r->get("tops");
+      SpeedCell cell;
+      if (t && t->kind == JsonValue::number && std::isfinite(t->num) && t->num > 0) {
+        cell.tops = t->num;
+      } else if (text(r->get("status")) == "unsupported") {
+        cell.refusal = text(r->get("message"));
+        if (cell.refusal.empty()) cell.refusal = "refused, no message recorded";
+      } else {
+        continue;  // a failed timing without a refusal (a baseline that rejected the shape)
       }
-    t.add({r.name, cell});
+      bool at_point = false;
+      for (int dd : kSpeedDims)
+        for (int nn : kSpeedNs) at_point = at_point || (d == dd && n == nn);
+      if (!at_point) continue;
+      data.cells[{impl, recipe, d, n}] = cell;
+      if (impl != "sagekit" && std::find(data.impls.begin(), data.impls.end(), impl) == data.impls.end())
+        data.impls.push_back(impl);
+      const std::string dev = text(r->get("device"));
+      if (!dev.empty() && std::find(data.devices.begin(), data.devices.end(), dev) == data.devices.end())
+        data.devices.push_back(dev);
+    }
   }
-  for (const SpeedPoint& p : pts)
-    if (p.impl != "sagekit")
-      t.add({p.impl + " (baseline" + (p.recipe.empty() ? "" : ", " + p.recipe) + ")",
-             fixed(p.tops, 1)});
+  return data;
+}
+
+std::string kilo(int n) { return n % 1024 == 0 ? std::to_string(n / 1024) + "K" : std::to_string(n); }
+
+void write_speed(std::ostream& os, const std::vector<std::string>& bench_paths) {
+  std::vector<std::string> quoted;
+  for (const std::string& p : bench_paths) quoted.push_back("`" + p + "`");
+  std::vector<std::string> prequantized;
+  for (const Recipe& r : presets())
+    if (r.inputs == Inputs::prequantized_int8) prequantized.push_back("`" + r.name + "`");
+  os << "## GPU speed\n\n"
+     << "TOPS of the whole call (the K/V pre-pass and the attention kernel, as a user calls it; "
+     << "for " << join(prequantized, ", ")
+     << ", whose inputs are INT8 with scales, the call on those inputs), fp16, non-causal, 32 "
+        "heads, batch = 32K / N, "
+        "median of CUDA-event timings after warm-up (the protocol of "
+        "[performance.md](performance.md)). TOPS = 4 B H N^2 d / time. Every cell is read from "
+     << join(quoted, ", ")
+     << " (records with keys `impl`, `recipe`, `d`, `causal`, `n`, `dtype`, `whole_call`, "
+        "`tops`, as `bench/bench_sdpa.py` and `sage bench --json` write them; a later record "
+        "for the same cell replaces an earlier one; kernel-only records are not used). "
+        "`bash scripts/gpu_run.sh build python recipes` times every preset at these points "
+        "(`bench/bench_sdpa.py --recipes all`). \"not measured\": no record; \"refused\": the "
+        "GPU path refused the preset in that run (its message is below). Regenerate this page "
+        "after a new measurement.\n\n";
+  const SpeedData data = read_speed(bench_paths);
+  for (const std::string& note : data.notes) os << note << "\n";
+  if (!data.notes.empty()) os << "\n";
+
+  std::vector<std::string> header = {"preset"};
+  for (int d : kSpeedDims)
+    for (int n : kSpeedNs) header.push_back("d " + std::to_string(d) + ", N " + kilo(n));
+  std::vector<bool> right(header.size(), true);
+  right[0] = false;
+  Table t(header, right);
+  std::vector<std::pair<std::string, std::string>> refused;  // preset, message
+  auto row = [&](const std::string& label, const std::string& impl, const std::string& recipe) {
+    std::vector<std::string> cells = {label};
+    for (int d : kSpeedDims)
+      for (int n : kSpeedNs) {
+        auto it = data.cells.find({impl, recipe, d, n});
+        if (it == data.cells.end()) {
+          cells.push_back("not measured");
+        } else if (!it->second.refusal.empty()) {
+          cells.push_back("refused");
+          if (refused.empty() || refused.back().first != recipe) refused.push_back({recipe, it->second.refusal});
+        } else {
+          cells.push_back(fixed(it->second.tops, 0));
+        }
+      }
+    t.add(cells);
+  };
+  for (const Recipe& r : presets()) row(r.name, "sagekit", r.name);
+  for (const std::string& impl : data.impls) row(impl + " (baseline)", impl, "");
   t.print_markdown(os);
-  if (!device.empty()) os << "\nMeasured on: " << device << ".\n";
+  if (!refused.empty()) {
+    os << "\nRefused on the GPU in the measured run:\n\n";
+    for (const auto& rm : refused) os << "- " << rm.first << ": " << rm.second << "\n";
+  }
+  if (!data.devices.empty()) os << "\nMeasured on: " << join(data.devices, ", ") << ".\n";
   os << "\n";
 }
 
@@ -245,16 +307,25 @@ int run_docs(const std::vector<std::string>& args) {
   Flags flags("sage docs",
               "Writes the recipe reference page: every preset's options, paper and simulated\n"
               "error on each synthetic distribution (simulate vs exact at a fixed size and seed),\n"
-              "and the GPU speed section filled from a bench result file when present.",
+              "and the GPU speed section filled from bench result files (\"not measured\" where none\n"
+              "has a record).",
               {{"out", "FILE", "where to write (default docs/recipes.md)"},
-               {"bench", "FILE", "bench results to read (default bench/results/h100.json)"}},
+               {"bench", "FILE[,FILE..]",
+                "bench results to read, later files winning (default "
+                "bench/results/h100.json,bench/results/h100_recipes.json)"}},
               args);
   if (flags.help()) {
     flags.print_help(std::cout);
     return 0;
   }
   const std::string out_path = flags.str("out", "docs/recipes.md");
-  const std::string bench_path = flags.str("bench", "bench/results/h100.json");
+  std::vector<std::string> bench_paths;
+  {
+    std::stringstream list(flags.str("bench", "bench/results/h100.json,bench/results/h100_recipes.json"));
+    for (std::string p; std::getline(list, p, ',');)
+      if (!p.empty()) bench_paths.push_back(p);
+    if (bench_paths.empty()) throw UsageError("sage docs: --bench needs at least one file name");
+  }
   if (out_path.empty()) throw UsageError("sage docs: --out needs a file name");
   check_writable("sage docs", out_path);
 
@@ -321,7 +392,7 @@ int run_docs(const std::vector<std::string>& args) {
   l1.print_markdown(os);
   os << "\n";
 
-  write_speed(os, bench_path);
+  write_speed(os, bench_paths);
 
   os << "## Each preset\n\n";
   for (size_t i = 0; i < all.size(); ++i) {

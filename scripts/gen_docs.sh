@@ -3,7 +3,13 @@
 # in README.md between <!-- recipes:begin --> and <!-- recipes:end --> (`sage recipes
 # --markdown`). Builds the `sage` command first if needed.
 #
-#   bash scripts/gen_docs.sh
+#   bash scripts/gen_docs.sh [RESULTS.json ...]
+#
+# The speed table of docs/recipes.md is read from bench result files, later ones winning
+# (default: bench/results/h100.json, the side-by-side run of scripts/gpu_run.sh's bench stage,
+# then bench/results/h100_recipes.json, every preset from its recipes stage). Copy a run's
+# files from $OUT into bench/results/ first, so that the page cites files of the repository;
+# a file that does not exist makes its cells say "not measured", never a made-up number.
 #
 # Uses build/ when it is configured (by main.sh or test.sh); otherwise configures a CPU-only
 # build in build-docs/, since the documentation needs no GPU code.
@@ -21,7 +27,10 @@ fi
 cmake --build "$build" -j "$jobs" --target sage_cli
 sage="$build/cli/sage"
 
-"$sage" docs --out docs/recipes.md
+results=("$@")
+[ ${#results[@]} -gt 0 ] || results=(bench/results/h100.json bench/results/h100_recipes.json)
+bench_list=$(IFS=,; echo "${results[*]}")
+"$sage" docs --out docs/recipes.md --bench "$bench_list"
 
 table=$(mktemp)
 trap 'rm -f "$table" "$table.readme"' EXIT

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizers, Python package, benchmark.
-# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [quickbench]
+# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench]
 # Results land in $OUT (at most 8 files come back): logs, JSON and Markdown.
+# recipes (not a default stage; needs the python stage's package): every preset's whole-call
+# speed at d 64/128, N 1K/4K/16K, non-causal fp16 -> $OUT/h100_recipes.json, the file
+# docs/recipes.md's speed table reads (copy it to bench/results/, then bash scripts/gen_docs.sh).
 set -u -o pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -27,7 +30,7 @@ if has sanitize; then
   log compute-sanitizer
   for tool in memcheck racecheck; do
     timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 $BUILD/tests/sage_tests_gpu \
-      --gtest_filter='Sm90Attention.QueryAndKeyLengthsDiffer:Sm90Attention.GroupedQueryAndMultiQuery' \
+      --gtest_filter='Sm90Sanitize.*:Sm90TwoStep.*' \
       > "$OUT/sanitize_$tool.log" 2>&1
     echo "$tool exit $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
   done
@@ -40,8 +43,15 @@ if has python; then
 fi
 if has bench; then
   log bench
-  PYTHONUNBUFFERED=1 timeout 300 python3 bench/bench_sdpa.py --iters 10 --warmup 3 \
+  PYTHONUNBUFFERED=1 timeout 540 python3 bench/bench_sdpa.py --iters 10 --warmup 3 \
     --json "$OUT/h100.json" --markdown "$OUT/h100.md" 2>&1 | tail -30
+fi
+if has recipes; then
+  log "recipe speeds (sagekit alone, whole call, every preset)"
+  # Only the JSON goes to $OUT (the table is printed): the 8-file limit of what comes back.
+  PYTHONUNBUFFERED=1 timeout 400 python3 bench/bench_sdpa.py --recipes all --dims 64,128 \
+    --ns 1024,4096,16384 --causal 0 --dtypes float16 --iters 10 --warmup 3 \
+    --json "$OUT/h100_recipes.json" --markdown /dev/null 2>&1 | tail -40
 fi
 if has clibench; then
   log "C++ bench (sage bench, this library only)"

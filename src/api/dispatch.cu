@@ -58,6 +58,8 @@ std::string gpu_variant(const Recipe& r, KernelVariant& v) {
     return "P V as e4m3 (static P, per_channel/per_tensor V) with two_level or fp16x2_fp32 "
            "accumulation, fp16 with fp16 accumulation, or int8 (static P, per_channel/per_tensor "
            "V) with fp32 accumulation";
+  if (v.path == sm90::PVPath::int8 && r.p_range > float(rules::kInt8Max))
+    return "p_range <= 127 with int8 P (P~ * p_range must fit a code)";
   if (r.row_sum == RowSum::quantized_p && v.path != sm90::PVPath::int8)
     return "row_sum quantized_p only with pv_format int8";
   if (r.inputs == Inputs::prequantized_int8 &&

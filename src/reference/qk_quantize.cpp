@@ -184,8 +184,13 @@ std::vector<float> smooth_q_logit_bias(const float* qm, const QKOperand& k, floa
   std::vector<float> bias(static_cast<size_t>(k.n));
   for (int64_t j = 0; j < k.n; ++j) {
     const int8_t* kj = k.codes.data() + j * d;
-    float acc = 0.f;
-    for (int64_t c = 0; c < d; ++c) acc += qm[c] * static_cast<float>(kj[c]);
+    // Eight interleaved partial sums (channel c goes to c % 8), combined as a tree: the GPU
+    // kernel's order, which keeps its dependency chain at d / 8 additions.
+    float part[kSmoothQPartials] = {};
+    for (int64_t c = 0; c < d; ++c)
+      part[c % kSmoothQPartials] += qm[c] * static_cast<float>(kj[c]);
+    const float acc = ((part[0] + part[1]) + (part[2] + part[3])) +
+                      ((part[4] + part[5]) + (part[6] + part[7]));
     bias[j] = (k.scale[j] * acc) * sm_scale_log2;
   }
   return bias;

@@ -42,6 +42,9 @@ void qk_logits(const QKOperand& q, int64_t i, const QKOperand& k, int64_t j0, in
 // The Q-smoothing compensation dS for every key, given the mean qm of one Q tile:
 // (k_scale_j * sum_c qm[c] * kcode_j[c]) * sm_scale_log2, the sum in float in channel order.
 // Defined for int8 / int4 K only (validate_recipe rejects smooth_q otherwise).
+// Q smoothing's logit bias dS_j = (k_scale_j * sum_c qm[c] * kcode_j[c]) * sl2 for every key
+// j, the sum in kSmoothQPartials interleaved float partial sums (docs/numerics.md, step 4).
+constexpr int kSmoothQPartials = 8;
 std::vector<float> smooth_q_logit_bias(const float* qm, const QKOperand& k, float sm_scale_log2);
 
 }  // namespace sage::reference::sim

@@ -190,6 +190,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (KS == KScales::per_token) {
 #pragma unroll
       for (int j = 0; j < kBlockKV / 8; ++j) {
+        // Straight from global memory (L1/L2): a copy into the stage's shared memory by the
+        // producer's bulk copy was reported as a race by compute-sanitizer racecheck, which
+        // does not follow mbarrier ordering into the async proxy.
         const float2 ks = *reinterpret_cast<const float2*>(k_scale + it * kBlockKV + 8 * j + 2 * t);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {

@@ -37,11 +37,18 @@ struct E4m3Pair {
     return pack_e4m3x2(lo, hi);
   }
 };
-struct Int8Pair {  // codes of P~ * 127 >= 0: round to nearest even, as rules::round_clamp
+// Codes of P~ * p_max in [0, 127]: adding 1.5 * 2^23 rounds to the nearest integer (ties to
+// even, as rules::round_clamp) and leaves it in the low mantissa bits. One FADD per value
+// instead of a float-to-int conversion, which runs at a quarter of the FADD rate and made the
+// INT8 path slower than E4M3's packed conversion.
+struct Int8Pair {
   __device__ __forceinline__ uint32_t operator()(float lo, float hi, int32_t& sum) const {
-    const int32_t a = round_sat_s8(lo), b = round_sat_s8(hi);
-    sum += a + b;
-    return uint32_t(a) | (uint32_t(b) << 8);
+    constexpr float kRound = 12582912.f;  // 1.5 * 2^23
+    // __fadd_rn: a fused p * p_max + kRound would round the product differently.
+    const uint32_t a = __float_as_uint(__fadd_rn(lo, kRound)) & 0xFFu;
+    const uint32_t b = __float_as_uint(__fadd_rn(hi, kRound)) & 0xFFu;
+    sum += int32_t(a + b);
+    return a | (b << 8);
   }
 };
 

@@ -188,19 +188,23 @@ struct QOperand {
 };
 
 // Q smoothing's logit bias of key j of the tile in shared memory: dS_j = mean(Q_tile) . K_j,
-// dequantized and in the base-2 logit domain, with the simulator's operation order (channel
-// order, no fused multiply-adds) so that it has the simulator's bits.
+// dequantized and in the base-2 logit domain, in the simulator's order (eight interleaved
+// partial sums, a fixed tree, no fused multiply-adds: docs/numerics.md step 4) so that it has
+// the simulator's bits.
 template <int D>
 __device__ __forceinline__ float smooth_q_key_bias(const int8_t* k_tile, int j, const float* q_mean,
                                                    float k_scale, float sm_scale_log2) {
-  float acc = 0.f;
+  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int c0 = 0; c0 < D; c0 += 16) {
     const int4 w = *reinterpret_cast<const int4*>(k_tile + swizzled_offset(j, c0, D));
     const int8_t* b = reinterpret_cast<const int8_t*>(&w);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) acc = __fadd_rn(acc, __fmul_rn(q_mean[c0 + i], float(b[i])));
+    for (int i = 0; i < 16; ++i)
+      part[i % 8] = __fadd_rn(part[i % 8], __fmul_rn(q_mean[c0 + i], float(b[i])));
   }
+  const float acc = __fadd_rn(__fadd_rn(__fadd_rn(part[0], part[1]), __fadd_rn(part[2], part[3])),
+                              __fadd_rn(__fadd_rn(part[4], part[5]), __fadd_rn(part[6], part[7])));
   return __fmul_rn(__fmul_rn(k_scale, acc), sm_scale_log2);
 }
 

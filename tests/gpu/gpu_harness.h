@@ -1,10 +1,16 @@
 // Test harness of the GPU kernels: builds inputs in any layout/strides on the host, runs
 // sage::attention on the device, and compares with reference::simulate and exact.
+//
+// A case names a preset; for prequantized presets (int_flash) the harness makes the INT8
+// inputs on the host from the same fp16 values (reference::prequantize_int8: Q and K per
+// token, V per tensor or, with v_per_channel, per channel), uploads the codes and the f32
+// scale tensors, and GpuCase::dtype is the output dtype (f16 or bf16).
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -23,17 +29,28 @@ namespace sage::testing {
 bool gpu_ready();
 std::string gpu_skip_reason();
 
+// The presets that must run on sm_90: every preset but the CPU-only ones below. The list is
+// derived from presets() rather than from gpu_supports(), so a preset the GPU path refuses
+// fails its tests instead of dropping out of them.
+const std::vector<std::string>& gpu_presets();
+// Presets with no Hopper kernel by design (FP4 needs Blackwell): refused by name.
+const std::vector<std::string>& cpu_only_presets();
+
 struct GpuCase {
   int64_t batch = 1, heads_q = 2, heads_kv = 2, n_q = 128, n_kv = 128, head_dim = 128;
   bool causal = false;
-  DType dtype = DType::f16;
+  DType dtype = DType::f16;  // of q, k, v and out; for prequantized recipes: of out only
   Layout layout = Layout::HND;
-  bool strided = false;   // padded row/head/batch strides and a storage offset
+  bool strided = false;   // padded row/head/batch strides and a storage offset (scales too)
   bool with_lse = true;
   std::string recipe = "sage2_8b";
+  bool v_per_channel = false;  // prequantized recipes: V scale per channel instead of per tensor
   std::string distribution = "normal";  // a synthetic distribution, or "zeros", "huge"
   uint64_t seed = 0;
   std::string describe() const;
+  // The Recipe this case runs: the preset, with v_scale per channel when v_per_channel.
+  Recipe recipe_options() const;
+  bool prequantized() const;
 };
 
 struct GpuResult {
@@ -41,16 +58,27 @@ struct GpuResult {
   reference::ErrorStats sim_vs_exact;  // the recipe's own error on these inputs
   double lse_max_abs_vs_sim = 0, lse_max_abs_vs_exact = 0, lse_sim_vs_exact = 0;
   int64_t unwritten = 0;           // output elements still holding the poison pattern
-  std::vector<uint16_t> out_bits;  // the raw output, for bit-identity checks
+  std::vector<uint16_t> out_bits;  // the raw output storage, for bit-identity checks
+  std::vector<float> lse;          // the raw LSE (when the case asks for it)
+  std::string error;               // run_gpu_cases only: what the GPU path threw, if anything
 };
 
-// Runs one case; `repeat` > 1 runs the kernel that many times into the same output.
+// Runs one case on the GPU and, when asked, computes both references on the host. Throws
+// what the GPU entry points throw (sage::Error for a refused recipe).
 GpuResult run_gpu_case(const GpuCase& c, bool compute_references = true);
 
-// The kernel-vs-simulator bounds, justified in docs/performance.md ("Correctness of the
-// kernels"). Against exact attention the kernel may be no worse than the simulator's own
-// error on the same inputs (the recipe's error, bounded per recipe in test_simulator.cpp)
-// plus the kernel-vs-simulator deviation.
+// Runs the cases on the GPU one after the other, then computes their references on the host
+// in parallel (the float64 and simulated references of long sequences dominate the test time;
+// the GPU part is milliseconds). A case whose GPU call throws gets `error` set instead of
+// ending the batch. Results are in the order of `cases`.
+std::vector<GpuResult> run_gpu_cases(const std::vector<GpuCase>& cases);
+// run_gpu_cases, then expect_within_bounds on each case in order.
+void expect_cases_within_bounds(const std::vector<GpuCase>& cases);
+
+// The kernel-vs-simulator bounds, justified per recipe family in gpu_harness.cpp and in
+// docs/performance.md ("Correctness of the kernels"). Against exact attention the kernel may be
+// no worse than the simulator's own error on the same inputs (the recipe's error, bounded per
+// recipe in test_simulator.cpp) plus the kernel-vs-simulator deviation.
 struct Bounds {
   double sim_cosine, sim_rel_l1, lse_sim;
 };
@@ -58,5 +86,48 @@ Bounds bounds_for(const std::string& recipe);
 
 // Asserts a result against the bounds, printing the metrics.
 void expect_within_bounds(const GpuCase& c, const GpuResult& r);
+
+// One case's tensors, on the host (for the references) and on the device (for the kernels),
+// for tests that drive the entry points themselves (the two-step API). The output and LSE
+// start as a NaN poison pattern; workspaces from make_workspace start as garbage bytes.
+class CaseTensors {
+ public:
+  explicit CaseTensors(const GpuCase& c);  // throws std::logic_error in a build without CUDA
+  ~CaseTensors();
+  CaseTensors(const CaseTensors&) = delete;
+  CaseTensors& operator=(const CaseTensors&) = delete;
+
+  const GpuCase& spec() const;
+  AttentionArgs device_args() const;  // views onto the device copies
+  AttentionArgs host_args() const;    // the same views onto the host copies (out/lse: device
+                                      // results after download())
+  void poison_outputs();              // writes the poison into the device out and LSE again
+  void download();                    // copies the device out and LSE into the host copies
+  std::vector<uint16_t> out_bits() const;  // the host copy of out's storage (after download)
+  std::vector<float> lse() const;          // the host copy of the LSE (after download)
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Device memory filled with a garbage byte pattern (the API never promises a zeroed
+// workspace: cudaMallocAsync and caching allocators return used memory).
+class DeviceWorkspace {
+ public:
+  explicit DeviceWorkspace(size_t bytes);
+  ~DeviceWorkspace();
+  DeviceWorkspace(const DeviceWorkspace&) = delete;
+  DeviceWorkspace& operator=(const DeviceWorkspace&) = delete;
+  void* get() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Waits for the device and turns a CUDA error into a test-visible exception.
+void device_sync(const char* what);
 
 }  // namespace sage::testing
