@@ -18,7 +18,7 @@
 
 namespace sage {
 namespace sm90 {
-template <int D, class T, PVPath Path, KScales KS>
+template <int D, class T, PVPath Path, KScales KS, bool SmoothQ>
 void launch_attention(const AttentionParams& p, const AttentionMaps& maps, cudaStream_t stream);
 }
 
@@ -27,10 +27,11 @@ namespace {
 constexpr size_t kAlign = 256;
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
-// The kernel a recipe runs on: its PV operand policy and K scale layout.
+// The kernel a recipe runs on: its PV operand policy, K scale layout and Q smoothing.
 struct KernelVariant {
   sm90::PVPath path;
   sm90::KScales k_scales;
+  bool smooth_q;
 };
 
 // Maps a recipe onto a kernel variant, or says what it lacks. Everything not matched here is
@@ -44,6 +45,7 @@ std::string gpu_variant(const Recipe& r, KernelVariant& v) {
   if (!(g == G::per_thread || g == G::per_warp || g == G::per_block || g == G::per_token))
     return "qk_granularity per_thread, per_warp, per_block or per_token";
   v.k_scales = g == G::per_token ? sm90::KScales::per_token : sm90::KScales::per_tile;
+  v.smooth_q = r.smooth_q;
   const bool static_p = r.p_scale == PScale::static_max;
   const bool scaled_v = r.v_scale == VScale::per_channel || r.v_scale == VScale::per_tensor;
   if (r.pv_format == PVFormat::e4m3 && static_p && scaled_v && r.pv_accum == PVAccum::two_level)
@@ -65,14 +67,16 @@ std::string gpu_variant(const Recipe& r, KernelVariant& v) {
   if (r.inputs == Inputs::prequantized_int8 &&
       !(g == G::per_token && v.path == sm90::PVPath::int8 && !r.smooth_k && !r.smooth_q && !r.smooth_v))
     return "prequantized inputs with per_token int8 Q/K, int8 P V and no smoothing";
-  // The generated instantiations (instantiate.cmake): a path with a K layout no preset uses
-  // has no kernel.
+  // The generated instantiations (instantiate.cmake): a combination no preset uses has no
+  // kernel.
   bool built = false;
-#define SAGE_MATCH_VARIANT(P, K) \
-  built = built || (v.path == sm90::PVPath::P && v.k_scales == sm90::KScales::K);
+#define SAGE_MATCH_VARIANT(P, K, SQ) \
+  built = built || (v.path == sm90::PVPath::P && v.k_scales == sm90::KScales::K && v.smooth_q == bool(SQ));
   SAGE_FOR_EACH_KERNEL_VARIANT(SAGE_MATCH_VARIANT)
 #undef SAGE_MATCH_VARIANT
-  if (!built) return "a PV path and K scale layout combination that has a kernel (see src/sm90/instantiate.cmake)";
+  if (!built)
+    return "a combination of PV path, K scale layout and Q smoothing that has a kernel (see "
+           "src/sm90/instantiate.cmake)";
   return {};
 }
 
@@ -244,9 +248,10 @@ void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVar
   ap.kv = quantized_kv_at(ws, w);
   const sm90::AttentionMaps maps = sm90::make_attention_maps(ap, D, sm90::v_bytes(v.path));
   bool launched = false;
-#define SAGE_LAUNCH_VARIANT(P, K)                                                           \
-  if (!launched && v.path == sm90::PVPath::P && v.k_scales == sm90::KScales::K) {           \
-    sm90::launch_attention<D, T, sm90::PVPath::P, sm90::KScales::K>(ap, maps, stream);      \
+#define SAGE_LAUNCH_VARIANT(P, K, SQ)                                                       \
+  if (!launched && v.path == sm90::PVPath::P && v.k_scales == sm90::KScales::K &&           \
+      v.smooth_q == bool(SQ)) {                                                             \
+    sm90::launch_attention<D, T, sm90::PVPath::P, sm90::KScales::K, bool(SQ)>(ap, maps, stream); \
     launched = true;                                                                        \
   }
   SAGE_FOR_EACH_KERNEL_VARIANT(SAGE_LAUNCH_VARIANT)

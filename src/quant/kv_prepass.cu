@@ -78,7 +78,6 @@ __global__ void __launch_bounds__(kThreads) kv_stats_kernel(const sm90::KVQuantP
 // Bytes per transposed V row in shared memory: a tile's tokens plus 4 bytes of padding per
 // byte of element, which breaks the transpose's bank conflicts.
 constexpr int kVtPitch8 = sm90::kBlockKV + 4;
-constexpr int kVtPitchMax = 2 * kVtPitch8;
 
 // Two V values (already smoothed and scaled) in the path's format, `lo` in the low bits:
 // E4M3 or INT8 bytes, or fp16 halves saturated to the finite range as the simulator's
@@ -127,7 +126,9 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQua
   __shared__ float s_kmean[D], s_kamax[D], s_vmean[D], s_vamax[D], s_vinv[D];
   __shared__ float s_row_amax[sm90::kBlockKV];
   __shared__ float s_kinv[sm90::kBlockKV];  // per token, or the tile's per-thread groups
-  __shared__ __align__(16) uint8_t s_vt[D * kVtPitchMax];
+  // The transposed V tile, D rows of `pitch` bytes: dynamic, sized by the launch for the
+  // path's element size, so that 8-bit V does not pay fp16's shared memory in occupancy.
+  extern __shared__ __align__(16) uint8_t s_vt[];
 
   // Channel statistics over all tokens, reduced from the partials in chunk order.
   if (threadIdx.x < D) {
@@ -334,7 +335,8 @@ void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream) {
   const dim3 stats_grid(p.chunks, p.heads_kv, p.batch);
   kv_stats_kernel<D, T><<<stats_grid, kThreads, 0, stream>>>(p);
   const dim3 quant_grid(p.n_pad / sm90::kBlockKV, p.heads_kv, p.batch);
-  kv_quantize_kernel<D, T><<<quant_grid, kThreads, 0, stream>>>(p);
+  const size_t vt_bytes = size_t(D) * sm90::v_bytes(p.pv_path) * kVtPitch8;  // < 48 KiB
+  kv_quantize_kernel<D, T><<<quant_grid, kThreads, vt_bytes, stream>>>(p);
 }
 
 #define SAGE_INSTANTIATE_PREPASS(D)                                                        \

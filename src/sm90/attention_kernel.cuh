@@ -67,8 +67,10 @@ __device__ __forceinline__ int kv_tiles_for(const AttentionParams& p, int q0) {
 }
 
 // T: the output dtype (and the input dtype of fp16/bf16 Q). Path: the PV operand policy.
-// KS: how the K scales are laid out (per tile groups or per token).
-template <int D, class T, PVPath Path, KScales KS>
+// KS: how the K scales are laid out (per tile groups or per token). SmoothQ: Q smoothing's
+// per-tile dS work; a compile-time choice because as a run-time branch it cost the recipes
+// without it ~5% at N = 16K (H100 A/B, 2026-11-22).
+template <int D, class T, PVPath Path, KScales KS, bool SmoothQ>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_kernel(const __grid_constant__ CUtensorMap tma_k,
                      const __grid_constant__ CUtensorMap tma_v, const AttentionParams p) {
@@ -174,7 +176,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     issue_qk(stage);
     wgmma_commit();
     // Q smoothing: each thread computes one key's bias while the QK MMA runs.
-    if (p.smooth_q) {
+    if constexpr (SmoothQ) {
       const int j = threadIdx.x % 128;
       const float kj_scale = KS == KScales::per_token
                                  ? k_scale[it * kBlockKV + j]
@@ -207,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i = 0; i < kBlockKV / 2; ++i) sc[i] = float(sacc[i]) * mult[frag::acc_row(i)];
     }
-    if (p.smooth_q) {
+    if constexpr (SmoothQ) {
       const float* bias = s.key_bias[cw][it & 1];
 #pragma unroll
       for (int i = 0; i < kBlockKV / 2; ++i) sc[i] = __fadd_rn(sc[i], bias[frag::acc_col(i, t)]);

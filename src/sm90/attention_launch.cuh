@@ -1,5 +1,5 @@
 // Host-side launch of the sm90 attention kernel for one (head dim, dtype, PV path, K scale
-// layout); the instantiations are generated (instantiate.cmake), one per .cu file.
+// layout, Q smoothing); the instantiations are generated (instantiate.cmake), one per .cu file.
 #pragma once
 
 #include <cuda.h>
@@ -12,9 +12,9 @@
 
 namespace sage::sm90 {
 
-template <int D, class T, PVPath Path, KScales KS>
+template <int D, class T, PVPath Path, KScales KS, bool SmoothQ>
 void launch_attention(const AttentionParams& p, const AttentionMaps& maps, cudaStream_t stream) {
-  auto* kernel = attention_kernel<D, T, Path, KS>;
+  auto* kernel = attention_kernel<D, T, Path, KS, SmoothQ>;
   const size_t smem = sizeof(SharedStorage<D, v_bytes(Path)>) + 1024;  // + slack to align the base to 1024
   static std::once_flag attribute_set;
   static cudaError_t attribute_error = cudaSuccess;

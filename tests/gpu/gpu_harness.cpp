@@ -85,10 +85,11 @@ std::string GpuCase::describe() const {
 // the expected |change| (what rel L1 sums) is ~ e, whatever s is, while the expected squared
 // change (what 1 - cosine sums) is ~ e * s: it grows with the step.
 //   * INT4 Q/K (sage2_4b, sage2pp_4b): the code step is 127 / 7 = 18x an INT8 step, so 1 - cos
-//     could grow up to 18x if codes flipped as often as INT8 ones. Measured on the H100 over the
-//     whole GPU suite (992 cases, 2026-11-22): worst cosine 0.9999975, the same as INT8: the Q
-//     tile mean is summed in double (exact, the simulator's bits) and dS follows the
-//     simulator's order, so only the K mean's summation order differs. The base bound holds.
+//     can grow up to 18x where codes flip (18 x 2.6e-6 = 4.7e-5): the cosine bound is 1 - 1e-4.
+//     Against the simulator the H100 stayed at 0.9999975 over 992 cases (the Q tile mean is
+//     exact in double and dS follows the simulator's order), but against exact attention a
+//     bf16 `outliers` case (recipe cosine 0.90) came out 1.5e-5 below the simulator's own
+//     cosine, more than a 1e-5 bound allows: the step size shows there.
 //   * FP16-accumulated PV (sage1_t, sage1_b: fp16 accumulator over the tile's k16 steps;
 //     sage2pp_8b/4b: fp16 over two k32 steps, then fp32): the accumulator rounds once per
 //     k-step, so an upstream flip shows as one fp16 ulp of the partial sum (2^-11 relative)
@@ -105,8 +106,9 @@ std::string GpuCase::describe() const {
 //     relative), so P flips are rarer than E4M3 ones. No change.
 Bounds bounds_for(const std::string& recipe) {
   const Bounds base{0.99999, 5e-3, 1e-3};
-  (void)preset(recipe);  // an unknown name is a test bug: preset() throws naming it
-  return base;
+  Bounds b = base;
+  if (preset(recipe).qk_format == QKFormat::int4) b.sim_cosine = 1 - 1e-4;
+  return b;
 }
 
 void expect_within_bounds(const GpuCase& c, const GpuResult& r) {
