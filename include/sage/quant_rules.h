@@ -9,6 +9,7 @@
 
 #include "sage/config.h"
 #include "sage/formats.h"
+#include "sage/recipe.h"
 
 namespace sage::rules {
 
@@ -38,9 +39,22 @@ SAGE_HD float score_multiplier(float q_scale, float k_scale, float sm_scale_log2
 }
 SAGE_HD float sm_scale_log2(float sm_scale) { return sm_scale * kLog2e; }
 
-// Static P scaling (the softmax numerator P~ is in [0, 1]): P~ * p_max is quantized.
-//   e4m3 448, e5m2 57344, int8 127, or the recipe's narrowed p_range (SageAttention2++).
-// V per-channel scaling maps max|v_c| to v_max: 448 (e4m3), 57344 (e5m2), 127 (int8), or
-// the recipe's v_range.
+// The largest value of a P/V format: what a static scale maps a maximum to.
+inline float pv_format_max(PVFormat f) {
+  switch (f) {
+    case PVFormat::e4m3: return 448.f;
+    case PVFormat::e5m2: return 57344.f;
+    case PVFormat::int8: return static_cast<float>(kInt8Max);
+    case PVFormat::nvfp4:
+    case PVFormat::mxfp4: return 6.f;
+    case PVFormat::fp16: return 65504.f;
+  }
+  return 0.f;
+}
+// Static P scaling (the softmax numerator P~ is in [0, 1]): P~ * p_static_max is quantized;
+// the recipe's narrowed p_range (SageAttention2++) when set, else the format max.
+inline float p_static_max(const Recipe& r) { return r.p_range > 0.f ? r.p_range : pv_format_max(r.pv_format); }
+// V per-channel / per-tensor scaling maps max|V'_c| to v_range when set, else the format max.
+inline float v_static_max(const Recipe& r) { return r.v_range > 0.f ? r.v_range : pv_format_max(r.pv_format); }
 
 }  // namespace sage::rules

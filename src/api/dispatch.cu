@@ -160,14 +160,9 @@ void check_workspace(const void* workspace, size_t workspace_size, size_t need) 
     throw Error("workspace", "must be a device pointer aligned to 256 bytes");
 }
 
-float v_format_max(const Recipe& r) {
-  if (r.v_range > 0) return r.v_range;
-  return r.pv_format == PVFormat::int8 ? float(rules::kInt8Max) : 448.f;
-}
+// The kernels' P factor: the simulator's static factor, or 1 for fp16 P (P~ itself).
 float p_format_max(const Recipe& r) {
-  if (r.pv_format == PVFormat::fp16) return 1.f;  // fp16 P is P~ itself
-  if (r.p_range > 0) return r.p_range;
-  return r.pv_format == PVFormat::int8 ? float(rules::kInt8Max) : 448.f;
+  return r.pv_format == PVFormat::fp16 ? 1.f : rules::p_static_max(r);
 }
 int qk_format_max(const Recipe& r) {
   return r.qk_format == QKFormat::int4 ? rules::kInt4Max : rules::kInt8Max;
@@ -196,7 +191,7 @@ void run_quantize_kv(const AttentionArgs& args, const Problem& pr, const KernelV
   qp.smooth_k = r.smooth_k, qp.smooth_v = r.smooth_v;
   qp.pv_path = v.path;
   qp.v_per_tensor = r.v_scale == VScale::per_tensor;
-  qp.v_max = v_format_max(r);
+  qp.v_max = rules::v_static_max(r);  // unused for fp16 V, which is not scaled
   if (r.inputs == Inputs::prequantized_int8) {
     // Scale views are [B, Hkv, n_kv] and [B, Hkv(, D)] whatever the layout.
     qp.k_scale_in = static_cast<const float*>(args.k_scale.data);

@@ -47,19 +47,6 @@ float sum_in_order(const float* x, int64_t n) {
 
 }  // namespace
 
-float format_max(PVFormat f) {
-  switch (f) {
-    case PVFormat::e4m3: return 448.f;
-    case PVFormat::e5m2: return 57344.f;
-    case PVFormat::int8: return static_cast<float>(rules::kInt8Max);
-    case PVFormat::nvfp4:
-    case PVFormat::mxfp4: return 6.f;
-    case PVFormat::fp16: return 65504.f;
-  }
-  return 0.f;
-}
-
-float p_static_max(const Recipe& r) { return r.p_range > 0.f ? r.p_range : format_max(r.pv_format); }
 
 VOperand quantize_v(const float* v, int64_t n, int64_t d, const Recipe& r) {
   VOperand op;
@@ -84,7 +71,7 @@ VOperand quantize_v(const float* v, int64_t n, int64_t d, const Recipe& r) {
     const float all = d > 0 ? *std::max_element(vmax.begin(), vmax.end()) : 0.f;
     std::fill(vmax.begin(), vmax.end(), all);
   }
-  const float target = r.v_range > 0.f ? r.v_range : format_max(r.pv_format);
+  const float target = rules::v_static_max(r);
   const StaticCodec codec{r.pv_format};
   std::vector<float> mult(static_cast<size_t>(d));
   op.channel_scale.resize(static_cast<size_t>(d));
@@ -151,7 +138,7 @@ void quantize_p(const Recipe& r, const float* p, int64_t count, PTile& out) {
     }
     return;
   }
-  const float pmax = p_static_max(r);
+  const float pmax = rules::p_static_max(r);
   const StaticCodec codec{r.pv_format};
   for (int64_t j = 0; j < count; ++j) q[j] = codec.decode_encode(p[j] * pmax);
   if (r.pv_format == PVFormat::int8) {

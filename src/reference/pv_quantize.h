@@ -20,10 +20,6 @@ struct VOperand {
                                      // V = code * channel_scale[c]; empty when `values` is V
 };
 
-// The largest value of a format (e4m3 448, e5m2 57344, int8 127).
-float format_max(PVFormat f);
-// The static factor P~ is multiplied by (p_range, or the format max).
-float p_static_max(const Recipe& r);
 
 // Quantizes n tokens of a (smoothed) V per the recipe's v_scale. v_range narrows the
 // per-channel / per-tensor target range.

@@ -92,7 +92,7 @@ void simulate(const AttentionArgs& args) {
                          -std::numeric_limits<float>::infinity());
   const bool static_p = r.p_scale == PScale::static_max && r.pv_format != PVFormat::nvfp4 &&
                         r.pv_format != PVFormat::mxfp4;
-  const float pmax = static_p ? sim::p_static_max(r) : 1.f;
+  const float pmax = static_p ? rules::p_static_max(r) : 1.f;
 
   parallel_for(p.batch * p.heads_q, [&](int64_t bh) {
     const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
