@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizers, Python package, benchmark.
-# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench]
+# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [profile] [ab]
 # Results land in $OUT (at most 8 files come back): logs, JSON and Markdown.
 # recipes (not a default stage; needs the python stage's package): every preset's whole-call
 # speed at d 64/128, N 1K/4K/16K, non-causal fp16 -> $OUT/h100_recipes.json, the file
@@ -16,8 +16,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv |
 BUILD=build-gpu-run
 if has build; then
   log build
+  # TARGETS (e.g. sage_cli) limits what is built; CUDA_FLAGS adds nvcc flags (e.g. -lineinfo).
   cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAGE_GTEST_SOURCE_DIR=$PWD/.deps/googletest \
-    > "$OUT/build.log" 2>&1 && ninja -C $BUILD -j16 >> "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+    -DCMAKE_CUDA_FLAGS="${CUDA_FLAGS:-}" > "$OUT/build.log" 2>&1 &&
+    ninja -C $BUILD -j16 ${TARGETS:-} >> "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
   tail -2 "$OUT/build.log"
 fi
 if has test; then
@@ -63,4 +65,46 @@ if has quickbench; then
   log quick bench
   PYTHONUNBUFFERED=1 python3 bench/bench_sdpa.py --dims 64,128 --ns 1024,4096,16384 --causal 0,1 \
     --json "$OUT/h100.json" --markdown "$OUT/h100.md" 2>&1 | tail -30
+fi
+if has ab; then
+  # A/B of the attention kernel against an older tree in ab_old/ (an untracked copy, e.g.
+  # `git archive <commit> | tar -x -C ab_old`): both `sage bench` whole calls, alternated
+  # twice in one run so that clock drift hits both alike.
+  log "A/B against ab_old/"
+  # AB_OLD_CUDA_FLAGS: build knobs for the old side (e.g. -DSAGE_SM90_PINGPONG=0 on a copy of
+  # this tree, to measure one knob).
+  cmake -S ab_old -B build-ab-old -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAGE_BUILD_TESTS=OFF \
+    -DCMAKE_CUDA_FLAGS="${AB_OLD_CUDA_FLAGS:-}" > "$OUT/ab_build.log" 2>&1 && ninja -C build-ab-old -j16 sage_cli >> "$OUT/ab_build.log" 2>&1 ||
+    { tail -20 "$OUT/ab_build.log"; exit 1; }
+  for round in 1 2; do
+    for side in old new; do
+      bin=$BUILD/cli/sage; [ $side = old ] && bin=build-ab-old/cli/sage
+      echo "-- $side (round $round)"
+      timeout 120 $bin bench --recipe ${AB_RECIPE:-sage2_8b} --d 64,128 --n ${AB_N:-1024,4096,16384} \
+        --causal ${AB_CAUSAL:-no} --iters 20 2>&1 | grep -vE "^ *$|^TOPS" | tail -7
+    done
+  done
+fi
+if has profile; then
+  # Nsight Compute on one whole call of sage2_8b (the K/V pre-pass kernels and the attention
+  # kernel): the full section set as text, per-pipe utilization of the attention kernel, and
+  # its SASS with stall samples at d = 128, N = 16K. For docs/performance.md.
+  log "ncu profile"
+  NCU="ncu --clock-control none"
+  SAGE_BENCH="$BUILD/cli/sage bench --recipe sage2_8b --causal no --warmup 2 --iters 1"
+  for point in "128 1024" "128 16384" "64 16384"; do
+    set -- $point
+    timeout 200 $NCU --set full --import-source yes -k "regex:attention_kernel|kv_" \
+      --launch-skip 6 --launch-count 3 -o "$BUILD/prof_d$1_n$2" -f \
+      $SAGE_BENCH --d $1 --n $2 > /dev/null 2>&1
+    ncu --import "$BUILD/prof_d$1_n$2.ncu-rep" --page details --print-details all \
+      > "$OUT/ncu_d$1_n$2.txt" 2>&1
+    ncu --import "$BUILD/prof_d$1_n$2.ncu-rep" --page raw --csv \
+      --metrics 'regex:^sm__(inst_executed_pipe_[a-z_]+|pipe_[a-z_]+_cycles_active)\.avg\.pct_of_peak_sustained_active$' \
+      >> "$OUT/ncu_d$1_n$2.txt" 2>&1
+    echo "ncu d=$1 n=$2: $(grep -c 'Section:' "$OUT/ncu_d$1_n$2.txt") sections"
+  done
+  ncu --import "$BUILD/prof_d128_n16384.ncu-rep" --page source --print-source sass --csv \
+    -k regex:attention_kernel > "$OUT/ncu_sass_d128_n16384.csv" 2>&1
+  echo "sass export: $(wc -l < "$OUT/ncu_sass_d128_n16384.csv") lines"
 fi

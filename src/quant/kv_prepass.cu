@@ -75,6 +75,18 @@ __global__ void __launch_bounds__(kThreads) kv_stats_kernel(const sm90::KVQuantP
   }
 }
 
+// Eight 16-bit values loaded as one 16-byte word, to floats.
+template <class T>
+__device__ __forceinline__ void raw_to_float(const uint4& raw, float (&x)[8]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = gpu::word_to_float2<T>(w[i]);
+    x[2 * i] = f.x;
+    x[2 * i + 1] = f.y;
+  }
+}
+
 // Bytes per transposed V row in shared memory: a tile's tokens plus 4 bytes of padding per
 // byte of element, which breaks the transpose's bank conflicts.
 constexpr int kVtPitch8 = sm90::kBlockKV + 4;
@@ -126,21 +138,63 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQua
   __shared__ float s_kmean[D], s_kamax[D], s_vmean[D], s_vamax[D], s_vinv[D];
   __shared__ float s_row_amax[sm90::kBlockKV];
   __shared__ float s_kinv[sm90::kBlockKV];  // per token, or the tile's per-thread groups
+  __shared__ float s_group_stats[kThreads / D][sm90::kNumStats][D];
   // The transposed V tile, D rows of `pitch` bytes: dynamic, sized by the launch for the
   // path's element size, so that 8-bit V does not pay fp16's shared memory in occupancy.
   extern __shared__ __align__(16) uint8_t s_vt[];
 
-  // Channel statistics over all tokens, reduced from the partials in chunk order.
+  // The tile's K and V rows, loaded raw before anything else: these loads are the kernel's
+  // DRAM traffic, and issued together up front they are in flight while the statistics are
+  // reduced (issued after it, K then V, each round waited for its own latency; ncu showed the
+  // kernel at 41% of DRAM bandwidth, H100, d = 128, N = 1K).
+  const T* kb = static_cast<const T*>(p.k) + b * p.k_stride_b + h * p.k_stride_h + lane_c * 8;
+  const T* vb = static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h + lane_c * 8;
+  uint4 k_raw[kRows], v_raw[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    const int t = tile * sm90::kBlockKV + r0 + i * kRowsPerIter;
+    k_raw[i] = v_raw[i] = make_uint4(0, 0, 0, 0);  // zeros: padding never counts toward a scale
+    if (t < p.n_kv) {
+      k_raw[i] = *reinterpret_cast<const uint4*>(kb + (int64_t)t * p.k_stride_n);
+      v_raw[i] = *reinterpret_cast<const uint4*>(vb + (int64_t)t * p.v_stride_n);
+    }
+  }
+
+  // Channel statistics over all tokens, reduced from the partials: kGroups thread groups
+  // each take a contiguous run of chunks in order, then the runs combine in group order
+  // (deterministic). Every CTA of a head repeats this (docs/performance.md, next steps).
+  constexpr int kGroups = kThreads / D;
+  {
+    const int c = threadIdx.x % D, group = threadIdx.x / D;
+    const int per_group = (p.chunks + kGroups - 1) / kGroups;
+    const int ch0 = group * per_group, ch1 = min(p.chunks, ch0 + per_group);
+    float st[sm90::kNumStats] = {0.f, -FLT_MAX, FLT_MAX, 0.f, -FLT_MAX, FLT_MAX};
+#pragma unroll 4
+    for (int ch = ch0; ch < ch1; ++ch) {
+      st[sm90::kSumK] += p.out.partials[partial_index(p, sm90::kSumK, b, h, ch, c, D)];
+      st[sm90::kMaxK] = fmaxf(st[sm90::kMaxK], p.out.partials[partial_index(p, sm90::kMaxK, b, h, ch, c, D)]);
+      st[sm90::kMinK] = fminf(st[sm90::kMinK], p.out.partials[partial_index(p, sm90::kMinK, b, h, ch, c, D)]);
+      st[sm90::kSumV] += p.out.partials[partial_index(p, sm90::kSumV, b, h, ch, c, D)];
+      st[sm90::kMaxV] = fmaxf(st[sm90::kMaxV], p.out.partials[partial_index(p, sm90::kMaxV, b, h, ch, c, D)]);
+      st[sm90::kMinV] = fminf(st[sm90::kMinV], p.out.partials[partial_index(p, sm90::kMinV, b, h, ch, c, D)]);
+    }
+#pragma unroll
+    for (int k = 0; k < sm90::kNumStats; ++k) s_group_stats[group][k][c] = st[k];
+  }
+  __syncthreads();
   if (threadIdx.x < D) {
     const int c = threadIdx.x;
-    float ksum = 0.f, vsum = 0.f, kmax = -FLT_MAX, kmin = FLT_MAX, vmax = -FLT_MAX, vmin = FLT_MAX;
-    for (int ch = 0; ch < p.chunks; ++ch) {
-      ksum += p.out.partials[partial_index(p, sm90::kSumK, b, h, ch, c, D)];
-      vsum += p.out.partials[partial_index(p, sm90::kSumV, b, h, ch, c, D)];
-      kmax = fmaxf(kmax, p.out.partials[partial_index(p, sm90::kMaxK, b, h, ch, c, D)]);
-      kmin = fminf(kmin, p.out.partials[partial_index(p, sm90::kMinK, b, h, ch, c, D)]);
-      vmax = fmaxf(vmax, p.out.partials[partial_index(p, sm90::kMaxV, b, h, ch, c, D)]);
-      vmin = fminf(vmin, p.out.partials[partial_index(p, sm90::kMinV, b, h, ch, c, D)]);
+    float ksum = s_group_stats[0][sm90::kSumK][c], vsum = s_group_stats[0][sm90::kSumV][c];
+    float kmax = s_group_stats[0][sm90::kMaxK][c], kmin = s_group_stats[0][sm90::kMinK][c];
+    float vmax = s_group_stats[0][sm90::kMaxV][c], vmin = s_group_stats[0][sm90::kMinV][c];
+#pragma unroll
+    for (int g = 1; g < kGroups; ++g) {
+      ksum += s_group_stats[g][sm90::kSumK][c];
+      vsum += s_group_stats[g][sm90::kSumV][c];
+      kmax = fmaxf(kmax, s_group_stats[g][sm90::kMaxK][c]);
+      kmin = fminf(kmin, s_group_stats[g][sm90::kMinK][c]);
+      vmax = fmaxf(vmax, s_group_stats[g][sm90::kMaxV][c]);
+      vmin = fminf(vmin, s_group_stats[g][sm90::kMinV][c]);
     }
     const float km = p.smooth_k ? ksum / p.n_kv : 0.f;
     const float vm = p.smooth_v ? vsum / p.n_kv : 0.f;
@@ -171,24 +225,17 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQua
   __syncthreads();
 
   // ---- K: smooth, group amax, INT8 -------------------------------------------------------
-  const T* kb = static_cast<const T*>(p.k) + b * p.k_stride_b + h * p.k_stride_h + lane_c * 8;
-  float kx[kRows][8];
+  // Each 16-bit value is converted twice (here for the amax, below for the codes) rather than
+  // kept as floats: 64 fewer live registers per thread, two CTAs per SM.
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     const int r = r0 + i * kRowsPerIter;
-    const int t = tile * sm90::kBlockKV + r;
+    float x[8];
+    raw_to_float<T>(k_raw[i], x);
     float amax = 0.f;
-    if (t < p.n_kv) {
-      gpu::load8(kb + (int64_t)t * p.k_stride_n, kx[i]);
+    if (tile * sm90::kBlockKV + r < p.n_kv)
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        kx[i][j] = kx[i][j] - s_kmean[lane_c * 8 + j];
-        amax = fmaxf(amax, fabsf(kx[i][j]));
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) kx[i][j] = 0.f;  // padding never counts toward a scale
-    }
+      for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(x[j] - s_kmean[lane_c * 8 + j]));
 #pragma unroll
     for (int off = 1; off < kLanesPerRow; off *= 2)
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
@@ -231,10 +278,14 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQua
     const float inv = s_kinv[p.k_granularity == Granularity::per_token    ? r
                              : p.k_granularity == Granularity::per_thread ? (r % 8) / 2
                                                                           : 0];
+    const bool valid = tile * sm90::kBlockKV + r < p.n_kv;
+    float x[8];
+    raw_to_float<T>(k_raw[i], x);
     uint32_t w[2] = {0, 0};
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const int32_t q = rules::round_clamp(kx[i][j] * inv, p.k_max);
+      const float smoothed = valid ? x[j] - s_kmean[lane_c * 8 + j] : 0.f;
+      const int32_t q = rules::round_clamp(smoothed * inv, p.k_max);
       w[j / 4] |= (uint32_t(q) & 0xFFu) << (8 * (j % 4));
     }
     *reinterpret_cast<uint2*>(kq + (int64_t)r * D) = make_uint2(w[0], w[1]);
@@ -244,15 +295,12 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQua
   // 8-bit V takes the P-layout token permutation; fp16 V stays in token order (pv_operand.cuh).
   const int v_bytes = v_fp16 ? 2 : 1;
   const int pitch = v_bytes * kVtPitch8;
-  const T* vb = static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h + lane_c * 8;
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     const int r = r0 + i * kRowsPerIter;
     const int t = tile * sm90::kBlockKV + r;
     float y[8];
-    if (t < p.n_kv) {
-      gpu::load8(vb + (int64_t)t * p.v_stride_n, y);
-    }
+    raw_to_float<T>(v_raw[i], y);
     const int pos = v_fp16 ? r : 32 * (r / 32) + pv_position_of_token(r % 32);
 #pragma unroll
     for (int j = 0; j < 8; j += 2) {

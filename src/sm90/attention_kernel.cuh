@@ -30,12 +30,21 @@ namespace sage::sm90 {
 #define SAGE_SM90_SETMAXNREG 1
 #endif
 #ifndef SAGE_SM90_STAGES
-#define SAGE_SM90_STAGES 3  // the producer runs up to two K/V tiles ahead of the consumers
+// 3: the pipelined consumers hold two stages (tile i's K, tile i-1's V), so the producer runs
+// one K/V tile ahead of them.
+#define SAGE_SM90_STAGES 3
+#endif
+#ifndef SAGE_SM90_OVERLAP_PV
+#define SAGE_SM90_OVERLAP_PV 1  // the intra-warpgroup pipeline (0: one tile at a time)
+#endif
+#ifndef SAGE_SM90_PINGPONG
+#define SAGE_SM90_PINGPONG 0  // off: measured slower (H200, d = 128, N = 16K: 686 vs 738 TOPS)
 #endif
 constexpr int kStages = SAGE_SM90_STAGES;
 constexpr int kThreads = 384;
 // Named barriers: 1 = Q statistics over the tile (256 threads), 2..3 = Q tile stored and
-// 4..5 = Q smoothing's key biases written (per warpgroup).
+// 4..5 = Q smoothing's key biases written (per warpgroup), 6..7 = "warpgroup 0 / 1 may issue
+// its MMAs" (pingpong, 256 threads: one warpgroup arrives, the other waits).
 // Registers move from the producer (one thread issuing TMA) to the consumers; without it the
 // consumer path spills at the 168-register launch cap.
 constexpr bool kReallocateRegisters = SAGE_SM90_SETMAXNREG;
@@ -75,6 +84,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     attention_kernel(const __grid_constant__ CUtensorMap tma_k,
                      const __grid_constant__ CUtensorMap tma_v, const AttentionParams p) {
   using PV = PVOperand<D, Path>;
+  // The software pipeline below, except in the variants where ptxas (CUDA 13.0) spilled it
+  // at d = 128 (scripts/ptxas_report.sh): INT8 PV (sage1_vt/vb, int_flash) and f16-pair PV
+  // (sage2pp_*), by 16 to 272 bytes depending on the softmax's exact code. They run one
+  // tile at a time.
+  constexpr bool kOverlapPV =
+      SAGE_SM90_OVERLAP_PV && (D == 64 || Path == PVPath::e4m3_two_level || Path == PVPath::fp16);
   extern __shared__ uint8_t smem_raw[];
   auto& s = *reinterpret_cast<SharedStorage<D, PV::kVBytes>*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -109,7 +124,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       constexpr int kVBoxes = PV::kVBytes;
       for (int it = 0; it < n_tiles; ++it) {
         const int stage = it % kStages;
-        mbar_wait(&s.empty[stage], ((it / kStages) & 1) ^ 1);
+        mbar_wait_sleeping(&s.empty[stage], ((it / kStages) & 1) ^ 1);
         mbar_expect_tx(&s.full[stage], kStageBytes);
         tma_load_2d(s.k[stage], &tma_k, &s.full[stage], 0, k_row0 + it * kBlockKV);
 #pragma unroll
@@ -153,42 +168,33 @@ __global__ void __launch_bounds__(kThreads, 1)
   const float* k_scale = KS == KScales::per_token
                              ? p.kv.k_scale + kv_head * p.n_pad
                              : p.kv.k_scale + kv_head * (p.n_pad / kBlockKV) * kKScalesPerTile;
-  int32_t sacc[kBlockKV / 2];  // S of the current tile
+  int32_t sacc[kBlockKV / 2];            // S of the tile whose softmax runs next
+  typename PV::Fragments pa;             // P of the tile whose PV MMA runs next
+  typename PV::Accumulator pv_acc;       // that PV MMA's product
+  float alpha_pending[2] = {1.f, 1.f};   // the output rescale that goes with that product
 
-  // One tile at a time per warpgroup: QK, softmax, PV. The two consumer warpgroups overlap
-  // each other's softmax and MMAs through the warp schedulers. (An explicit pingpong that
-  // issued PV(i-1) with QK(i) in one turn measured slower on the H100, 466 vs 640 TOPS at
-  // d=128, N=16K: holding O, the PV tile, S and P at once spilled 420 bytes; see
-  // docs/performance.md.)
   auto issue_qk = [&](int stage) {
+    wgmma_fence();
     mma_s8_ss<kBlockKV, false>(sacc, make_smem_desc(s.q[cw], D), make_smem_desc(s.k[stage], D));
 #pragma unroll
     for (int kc = 1; kc < D / 32; ++kc)
       mma_s8_ss<kBlockKV, true>(sacc, make_smem_desc(s.q[cw] + 32 * kc, D),
                                 make_smem_desc(s.k[stage] + 32 * kc, D));
-  };
-  for (int it = 0; it < n_tiles; ++it) {
-    const int stage = it % kStages;
-    const float ks_tile = KS == KScales::per_tile ? k_scale[it * kKScalesPerTile + t] : 0.f;
-    mbar_wait(&s.full[stage], (it / kStages) & 1);
-
-    wgmma_fence();
-    issue_qk(stage);
     wgmma_commit();
-    // Q smoothing: each thread computes one key's bias while the QK MMA runs.
-    if constexpr (SmoothQ) {
-      const int j = threadIdx.x % 128;
-      const float kj_scale = KS == KScales::per_token
-                                 ? k_scale[it * kBlockKV + j]
-                                 : k_scale[it * kKScalesPerTile + (j % 8) / 2];
-      s.key_bias[cw][it & 1][j] =
-          smooth_q_key_bias<D>(s.k[stage], j, s.q_mean[cw], kj_scale, p.sm_scale_log2);
-      named_barrier_sync(4 + cw, 128);
-    }
-    wgmma_wait<0>();
-    reg_fence(sacc);
-
-    float sc[kBlockKV / 2];
+  };
+  // Q smoothing: each thread computes one key's bias while the QK MMA runs.
+  auto compute_key_bias = [&](int it, int stage) {
+    const int j = threadIdx.x % 128;
+    const float kj_scale = KS == KScales::per_token
+                               ? k_scale[it * kBlockKV + j]
+                               : k_scale[it * kKScalesPerTile + (j % 8) / 2];
+    s.key_bias[cw][it & 1][j] =
+        smooth_q_key_bias<D>(s.k[stage], j, s.q_mean[cw], kj_scale, p.sm_scale_log2);
+    named_barrier_sync(4 + cw, 128);
+  };
+  // The tile's logits from its QK accumulator (per-token or per-tile K scales, Q smoothing's
+  // bias), masked entries -inf.
+  auto make_scores = [&](int it, float (&sc)[kBlockKV / 2]) {
     if constexpr (KS == KScales::per_token) {
 #pragma unroll
       for (int j = 0; j < kBlockKV / 8; ++j) {
@@ -204,6 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     } else {
+      const float ks_tile = k_scale[it * kKScalesPerTile + t];
       const float mult[2] = {rules::score_multiplier(qop.scale[0], ks_tile, p.sm_scale_log2),
                              rules::score_multiplier(qop.scale[1], ks_tile, p.sm_scale_log2)};
 #pragma unroll
@@ -225,19 +232,103 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (col >= p.n_kv || (p.causal && col > row + causal_offset)) sc[i] = -INFINITY;
       }
     }
-    float alpha[2], p_sum[2];
-    softmax.update(sc, alpha, p_sum);
+  };
+  // P of the tile into the PV operand, and the tile's row sums into the softmax state.
+  auto pack_p = [&](const float (&sc)[kBlockKV / 2], const float (&alpha)[2],
+                    const float (&p_sum)[2]) {
     int32_t code_sum[2] = {0, 0};
-    PV::tile(o, sc, alpha, s.v[stage], p.p_max, code_sum, [&] {
-      if (lane == 0) mbar_arrive(&s.empty[stage]);
-    });
+    PV::pack(sc, pa, code_sum);
     if (Path == PVPath::int8 && p.quantized_row_sum) {
-      // INT-FlashAttention: the denominator sums the quantized P (codes / 127).
-      const float q_sum[2] = {float(code_sum[0]) / p.p_max, float(code_sum[1]) / p.p_max};
+      // INT-FlashAttention: the denominator sums the quantized P (the codes, which are in
+      // the row sum's units of P~ * p_max).
+      const float q_sum[2] = {float(code_sum[0]), float(code_sum[1])};
       softmax.add_row_sum(alpha, q_sum);
     } else {
       softmax.add_row_sum(alpha, p_sum);
     }
+  };
+
+  // Pingpong between the two consumer warpgroups (FlashAttention-3): each issues its MMAs of
+  // a tile (QK of tile i, PV of tile i-1) only after the other has issued its own, so the
+  // tensor cores alternate between them and one warpgroup's softmax runs while the other's
+  // MMAs do. Every warpgroup has n_tiles + 1 issue turns; warpgroup 1 lets warpgroup 0 start
+  // and skips its last hand-over, so that no arrival is left pending on a barrier at exit.
+  constexpr bool kPingpong = SAGE_SM90_PINGPONG && kOverlapPV;
+  auto begin_turn = [&] {
+    if constexpr (kPingpong) named_barrier_sync(6 + cw, 256);
+  };
+  auto end_turn = [&](bool last_turn) {
+    if constexpr (kPingpong)
+      if (!(last_turn && cw == 1)) named_barrier_arrive(6 + (cw ^ 1), 256);
+  };
+  if (kPingpong && cw == 1 && n_tiles > 0) named_barrier_arrive(6, 256);
+
+  // A software pipeline inside the warpgroup (FlashAttention-3's intra-warpgroup overlap):
+  // tile i's QK MMA and tile i-1's PV MMA are issued back to back, and tile i's softmax runs
+  // while the PV MMA does. Run one tile at a time (QK, softmax, PV), consumer warps waited on
+  // their own MMAs in 20% of the stall samples (ncu, H100, d = 128, N = 16K). Registers: O,
+  // the PV product, P of the running PV and the scores are live at once (208 for d = 128 and
+  // 8-bit P); the next P is packed only after the product is folded in, when both are dead.
+  // (v3 in docs/performance.md also held the next P and spilled.)
+  if constexpr (!kOverlapPV) {
+    // One tile at a time: the pipeline's extra live registers spill in this variant.
+    for (int it = 0; it < n_tiles; ++it) {
+      const int stage = it % kStages;
+      mbar_wait(&s.full[stage], (it / kStages) & 1);
+      issue_qk(stage);
+      if constexpr (SmoothQ) compute_key_bias(it, stage);
+      wgmma_wait<0>();
+      reg_fence(sacc);
+      float sc[kBlockKV / 2], alpha[2], p_sum[2];
+      make_scores(it, sc);
+      softmax.update(sc, p.p_max, alpha, p_sum);
+      pack_p(sc, alpha, p_sum);
+      PV::issue(pv_acc, pa, s.v[stage]);
+      wgmma_wait<0>();
+      PV::fold(o, pv_acc, pa, alpha);
+      if (lane == 0) mbar_arrive(&s.empty[stage]);
+    }
+  }
+  if (kOverlapPV && n_tiles > 0) {
+    mbar_wait(&s.full[0], 0);
+    begin_turn();
+    issue_qk(0);
+    if constexpr (SmoothQ) compute_key_bias(0, 0);
+    end_turn(false);
+    wgmma_wait<0>();
+    reg_fence(sacc);
+    float sc[kBlockKV / 2], p_sum[2];
+    make_scores(0, sc);
+    softmax.update(sc, p.p_max, alpha_pending, p_sum);
+    pack_p(sc, alpha_pending, p_sum);
+  }
+  for (int it = 1; kOverlapPV && it < n_tiles; ++it) {
+    const int stage = it % kStages, prev = (it - 1) % kStages;
+    mbar_wait(&s.full[stage], (it / kStages) & 1);
+    begin_turn();
+    issue_qk(stage);  // commit group: S of tile it
+    // Before the PV MMA owns its registers: with both in flight the bias spilled (ptxas).
+    if constexpr (SmoothQ) compute_key_bias(it, stage);
+    PV::issue(pv_acc, pa, s.v[prev]);  // commit group: P V of tile it - 1
+    end_turn(false);
+    wgmma_wait<1>();  // S is ready; the PV MMA may still run
+    reg_fence(sacc);
+    float sc[kBlockKV / 2], alpha[2], p_sum[2];
+    make_scores(it, sc);
+    softmax.update(sc, p.p_max, alpha, p_sum);
+    wgmma_wait<0>();
+    PV::fold(o, pv_acc, pa, alpha_pending);
+    if (lane == 0) mbar_arrive(&s.empty[prev]);  // tile it - 1's K and V are read
+    pack_p(sc, alpha, p_sum);
+    alpha_pending[0] = alpha[0], alpha_pending[1] = alpha[1];
+  }
+  if (kOverlapPV && n_tiles > 0) {
+    const int last = (n_tiles - 1) % kStages;
+    begin_turn();
+    PV::issue(pv_acc, pa, s.v[last]);
+    end_turn(true);
+    wgmma_wait<0>();
+    PV::fold(o, pv_acc, pa, alpha_pending);
   }
 
   // ---- epilogue: normalize, undo the V scale, add back the V mean, store -----------------
@@ -250,7 +341,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) {
     const int c = 8 * j + 2 * t;
-    const float vs0 = v_scale[c] / p.p_max, vs1 = v_scale[c + 1] / p.p_max;
+    // l sums P~ * p_max: its p_max cancels the one of P's codes.
+    const float vs0 = v_scale[c], vs1 = v_scale[c + 1];
     const float vm0 = p.smooth_v ? v_mean[c] : 0.f, vm1 = p.smooth_v ? v_mean[c + 1] : 0.f;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -267,7 +359,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if (rows[r] >= p.n_q) continue;
-      const float lse = l[r] > 0.f ? (softmax.m[r] + log2f(l[r])) * 0.69314718055994531f +
+      // l sums P~ * p_max.
+      const float lse = l[r] > 0.f ? (softmax.m[r] + (log2f(l[r]) - log2f(p.p_max))) * 0.69314718055994531f +
                                          p.sm_scale * qop.dot_kmean[r]
                                    : -INFINITY;
       p.lse[b * p.lse_stride_b + h * p.lse_stride_h + (int64_t)rows[r] * p.lse_stride_n] = lse;

@@ -41,6 +41,25 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t phase) {
       : "memory");
 }
 
+// The producer's wait for a free stage. A plain try_wait returns after a short system-defined
+// time, so the waiting warp re-issued it about every 9 cycles: ~630 issue slots per K/V tile
+// on the scheduler it shares with two consumer warps (ncu, H100, d = 128, N = 16K). With a
+// suspend-time hint the thread sleeps until the phase completes (or the hint, in ns, runs
+// out), so it costs no issue slots while the consumers work. Not measured alone: whether it
+// wakes as promptly as the spin is the first suspect for the ~6% that v8 lost at d = 128,
+// N = 16K outside its pipeline (docs/performance.md).
+__device__ __forceinline__ void mbar_wait_sleeping(uint64_t* bar, uint32_t phase) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(phase), "r"(1000000u)
+      : "memory");
+}
+
 __device__ __forceinline__ void fence_barrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }

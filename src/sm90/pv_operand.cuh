@@ -1,21 +1,26 @@
-// P V operand policies: how one K/V tile's probabilities P~ (in the S accumulator layout)
-// become the A operand of the PV MMA, which MMA multiplies them with the V tile in shared
-// memory, and how the tile's product is folded into the fp32 output accumulator.
+// P V operand policies: how one K/V tile's probabilities (in the S accumulator layout) become
+// the A operand of the PV MMA, which MMA multiplies them with the V tile in shared memory, and
+// how the tile's product is folded into the fp32 output accumulator.
 //
 // A recipe's PV choices (format of P and V, P scale, accumulator) meet only here and in the
 // K/V pre-pass that writes V in the format the policy reads (quant/kv_prepass.cu). Adding a
 // format is one more specialization of PVOperand plus its V encoding; the kernel skeleton
 // (attention_kernel.cuh) does not change (docs/recipes_on_gpu.md shows the diff of one).
 //
-// Every policy has the same shape:
-//   kVBytes                      bytes per V element in the shared-memory tile
-//   tile(o, p, alpha, v, p_max, code_sum, release)
-//     o        fp32 output accumulator of the thread, [D / 2]
-//     p        P~ of the tile in [0, 1], [kBlockKV / 2] in the accumulator layout
-//     alpha    the online-softmax rescale of rows g and g + 8
-//     v        the V tile of this stage: [D rows x kBlockKV tokens], K-major, 128B swizzle
-//     code_sum integer P only: the sum of the thread's P codes per row (quantized row sum)
-//     release  called once the MMAs have read the stage (frees it for the producer)
+// Every policy has the same shape, in three steps so that the kernel can run the MMAs of tile
+// i - 1 while it computes the softmax of tile i (attention_kernel.cuh):
+//   kVBytes                     bytes per V element in the shared-memory tile
+//   Fragments                   P as the MMA's A operand (registers)
+//   Accumulator                 the tile's product P V
+//   pack(p, frags, code_sum)    p: P~ * p_max of the tile (P~ in [0, 1]; p_max the static P
+//                               scale, 1 for fp16), [kBlockKV / 2] in the accumulator layout;
+//                               code_sum: integer P only, the thread's code sums per row
+//   issue(acc, frags, v)        starts the MMAs of the tile on V (the stage's [D rows x
+//                               kBlockKV tokens] tile, K-major, 128B swizzle) as ONE commit
+//                               group; frags and acc belong to the MMA until it is waited for
+//   fold(o, acc, frags, alpha)  after the wait: o = o * alpha (the online-softmax rescale of
+//                               rows g, g + 8) + the tile's product
+
 #pragma once
 
 #include <cuda_fp16.h>
@@ -37,14 +42,14 @@ struct E4m3Pair {
     return pack_e4m3x2(lo, hi);
   }
 };
-// Codes of P~ * p_max in [0, 127]: adding 1.5 * 2^23 rounds to the nearest integer (ties to
+// Codes of P~ * p_max (given) in [0, 127]: adding 1.5 * 2^23 rounds to the nearest integer (ties to
 // even, as rules::round_clamp) and leaves it in the low mantissa bits. One FADD per value
 // instead of a float-to-int conversion, which runs at a quarter of the FADD rate and made the
 // INT8 path slower than E4M3's packed conversion.
 struct Int8Pair {
   __device__ __forceinline__ uint32_t operator()(float lo, float hi, int32_t& sum) const {
     constexpr float kRound = 12582912.f;  // 1.5 * 2^23
-    // __fadd_rn: a fused p * p_max + kRound would round the product differently.
+    // __fadd_rn: the add alone must round (to the integer), never fused with a product.
     const uint32_t a = __float_as_uint(__fadd_rn(lo, kRound)) & 0xFFu;
     const uint32_t b = __float_as_uint(__fadd_rn(hi, kRound)) & 0xFFu;
     sum += int32_t(a + b);
@@ -52,12 +57,12 @@ struct Int8Pair {
   }
 };
 
-// P~ times p_max, as the A fragments of the 8-bit PV MMA: slice kc takes the accumulator
+// P~ * p_max, as the A fragments of the 8-bit PV MMA: slice kc takes the accumulator
 // chunks 4kc..4kc+3. The bytes land in the permuted token order that the K/V pre-pass
 // stored V in (quant::pv_position_of_token), so no register shuffles are needed.
 template <int N, class Pair>
-__device__ __forceinline__ void pack_p_8bit(const float (&p)[N / 2], float p_max,
-                                            uint32_t (&a)[N / 32][4], int32_t (&code_sum)[2],
+__device__ __forceinline__ void pack_p_8bit(const float (&p)[N / 2], uint32_t (&a)[N / 32][4],
+                                            int32_t (&code_sum)[2],
                                             Pair pair) {
 #pragma unroll
   for (int kc = 0; kc < N / 32; ++kc) {
@@ -67,10 +72,10 @@ __device__ __forceinline__ void pack_p_8bit(const float (&p)[N / 2], float p_max
       // row r of chunks (4kc, 4kc+1) -> a[r]; of chunks (4kc+2, 4kc+3) -> a[2 + r]
       const int e = 2 * r;
       int32_t& s = code_sum[r];
-      const uint32_t lo0 = pair(p[j + e] * p_max, p[j + e + 1] * p_max, s);
-      const uint32_t hi0 = pair(p[j + 4 + e] * p_max, p[j + 4 + e + 1] * p_max, s);
-      const uint32_t lo1 = pair(p[j + 8 + e] * p_max, p[j + 8 + e + 1] * p_max, s);
-      const uint32_t hi1 = pair(p[j + 12 + e] * p_max, p[j + 12 + e + 1] * p_max, s);
+      const uint32_t lo0 = pair(p[j + e], p[j + e + 1], s);
+      const uint32_t hi0 = pair(p[j + 4 + e], p[j + 4 + e + 1], s);
+      const uint32_t lo1 = pair(p[j + 8 + e], p[j + 8 + e + 1], s);
+      const uint32_t hi1 = pair(p[j + 12 + e], p[j + 12 + e + 1], s);
       a[kc][r] = lo0 | (hi0 << 16);
       a[kc][2 + r] = lo1 | (hi1 << 16);
     }
@@ -90,25 +95,25 @@ struct PVOperand;
 template <int D>
 struct PVOperand<D, PVPath::e4m3_two_level> {
   static constexpr int kVBytes = 1;
-  template <class Release>
-  __device__ __forceinline__ static void tile(float (&o)[D / 2], const float (&p)[kBlockKV / 2],
-                                              const float (&alpha)[2], const uint8_t* v,
-                                              float p_max, int32_t (&code_sum)[2],
-                                              Release release) {
-    uint32_t pa[kBlockKV / 32][4];
-    pack_p_8bit<kBlockKV>(p, p_max, pa, code_sum, E4m3Pair{});
-    float otile[D / 2];
+  struct Fragments { uint32_t a[kBlockKV / 32][4]; };
+  struct Accumulator { float c[D / 2]; };
+  __device__ __forceinline__ static void pack(const float (&p)[kBlockKV / 2], Fragments& f,
+                                              int32_t (&code_sum)[2]) {
+    pack_p_8bit<kBlockKV>(p, f.a, code_sum, E4m3Pair{});
+  }
+  __device__ __forceinline__ static void issue(Accumulator& acc, Fragments& f, const uint8_t* v) {
     wgmma_fence();
-    mma_e4m3_rs<D, false>(otile, pa[0], v8_slice(v, 0));
+    mma_e4m3_rs<D, false>(acc.c, f.a[0], v8_slice(v, 0));
 #pragma unroll
-    for (int kc = 1; kc < kBlockKV / 32; ++kc) mma_e4m3_rs<D, true>(otile, pa[kc], v8_slice(v, kc));
+    for (int kc = 1; kc < kBlockKV / 32; ++kc) mma_e4m3_rs<D, true>(acc.c, f.a[kc], v8_slice(v, kc));
     wgmma_commit();
-    wgmma_wait<0>();
-    reg_fence(otile);
-    reg_fence(pa);
-    release();
+  }
+  __device__ __forceinline__ static void fold(float (&o)[D / 2], Accumulator& acc, Fragments& f,
+                                              const float (&alpha)[2]) {
+    reg_fence(acc.c);
+    reg_fence(f.a);
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = o[i] * alpha[frag::acc_row(i)] + otile[i];
+    for (int i = 0; i < D / 2; ++i) o[i] = o[i] * alpha[frag::acc_row(i)] + acc.c[i];
   }
 };
 
@@ -117,34 +122,32 @@ struct PVOperand<D, PVPath::e4m3_two_level> {
 // The f16 accumulators take half the registers of the fp32 tile sum of two_level.
 template <int D>
 struct PVOperand<D, PVPath::e4m3_fp16x2> {
+  static_assert(kBlockKV == 128, "two f16 accumulators cover the tile's two 64-token pairs");
   static constexpr int kVBytes = 1;
-  template <class Release>
-  __device__ __forceinline__ static void tile(float (&o)[D / 2], const float (&p)[kBlockKV / 2],
-                                              const float (&alpha)[2], const uint8_t* v,
-                                              float p_max, int32_t (&code_sum)[2],
-                                              Release release) {
-    static_assert(kBlockKV == 128, "two f16 accumulators cover the tile's two 64-token pairs");
-    uint32_t pa[kBlockKV / 32][4];
-    pack_p_8bit<kBlockKV>(p, p_max, pa, code_sum, E4m3Pair{});
-    uint32_t pair0[D / 4], pair1[D / 4];
+  struct Fragments { uint32_t a[kBlockKV / 32][4]; };
+  struct Accumulator { uint32_t pair0[D / 4], pair1[D / 4]; };
+  __device__ __forceinline__ static void pack(const float (&p)[kBlockKV / 2], Fragments& f,
+                                              int32_t (&code_sum)[2]) {
+    pack_p_8bit<kBlockKV>(p, f.a, code_sum, E4m3Pair{});
+  }
+  __device__ __forceinline__ static void issue(Accumulator& acc, Fragments& f, const uint8_t* v) {
     wgmma_fence();
-    mma_e4m3_rs_f16acc<D, false>(pair0, pa[0], v8_slice(v, 0));
-    mma_e4m3_rs_f16acc<D, true>(pair0, pa[1], v8_slice(v, 1));
+    mma_e4m3_rs_f16acc<D, false>(acc.pair0, f.a[0], v8_slice(v, 0));
+    mma_e4m3_rs_f16acc<D, true>(acc.pair0, f.a[1], v8_slice(v, 1));
+    mma_e4m3_rs_f16acc<D, false>(acc.pair1, f.a[2], v8_slice(v, 2));
+    mma_e4m3_rs_f16acc<D, true>(acc.pair1, f.a[3], v8_slice(v, 3));
     wgmma_commit();
-    mma_e4m3_rs_f16acc<D, false>(pair1, pa[2], v8_slice(v, 2));
-    mma_e4m3_rs_f16acc<D, true>(pair1, pa[3], v8_slice(v, 3));
-    wgmma_commit();
-    // The rescale overlaps the MMAs; the first pair is added while the second runs.
+  }
+  __device__ __forceinline__ static void fold(float (&o)[D / 2], Accumulator& acc, Fragments& f,
+                                              const float (&alpha)[2]) {
+    reg_fence(acc.pair0);
+    reg_fence(acc.pair1);
+    reg_fence(f.a);
+    // Rescale first, then add the pairs one at a time: numerics.md's order for fp16x2_fp32.
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] *= alpha[frag::acc_row(i)];
-    wgmma_wait<1>();
-    reg_fence(pair0);
-    add_f16_pairs(o, pair0);
-    wgmma_wait<0>();
-    reg_fence(pair1);
-    reg_fence(pa);
-    release();
-    add_f16_pairs(o, pair1);
+    add_f16_pairs(o, acc.pair0);
+    add_f16_pairs(o, acc.pair1);
   }
 
  private:
@@ -166,34 +169,35 @@ struct PVOperand<D, PVPath::e4m3_fp16x2> {
 template <int D>
 struct PVOperand<D, PVPath::fp16> {
   static constexpr int kVBytes = 2;
-  template <class Release>
-  __device__ __forceinline__ static void tile(float (&o)[D / 2], const float (&p)[kBlockKV / 2],
-                                              const float (&alpha)[2], const uint8_t* v, float,
-                                              int32_t (&)[2], Release release) {
-    constexpr int kSlices = kBlockKV / 16;
-    uint32_t pa[kSlices][4];
+  static constexpr int kSlices = kBlockKV / 16;
+  struct Fragments { uint32_t a[kSlices][4]; };
+  struct Accumulator { uint32_t c[D / 4]; };
+  __device__ __forceinline__ static void pack(const float (&p)[kBlockKV / 2], Fragments& f,
+                                              int32_t (&)[2]) {
 #pragma unroll
     for (int kc = 0; kc < kSlices; ++kc)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const __half2 h = __floats2half2_rn(p[8 * kc + 2 * r], p[8 * kc + 2 * r + 1]);
-        pa[kc][r] = *reinterpret_cast<const uint32_t*>(&h);
+        f.a[kc][r] = *reinterpret_cast<const uint32_t*>(&h);
       }
-    uint32_t acc[D / 4];
+  }
+  __device__ __forceinline__ static void issue(Accumulator& acc, Fragments& f, const uint8_t* v) {
     wgmma_fence();
-    mma_f16_rs_f16acc<D, false>(acc, pa[0], v16_slice(v, 0));
+    mma_f16_rs_f16acc<D, false>(acc.c, f.a[0], v16_slice(v, 0));
 #pragma unroll
-    for (int kc = 1; kc < kSlices; ++kc) mma_f16_rs_f16acc<D, true>(acc, pa[kc], v16_slice(v, kc));
+    for (int kc = 1; kc < kSlices; ++kc) mma_f16_rs_f16acc<D, true>(acc.c, f.a[kc], v16_slice(v, kc));
     wgmma_commit();
-    wgmma_wait<0>();
-    reg_fence(acc);
-    reg_fence(pa);
-    release();
+  }
+  __device__ __forceinline__ static void fold(float (&o)[D / 2], Accumulator& acc, Fragments& f,
+                                              const float (&alpha)[2]) {
+    reg_fence(acc.c);
+    reg_fence(f.a);
 #pragma unroll
     for (int i = 0; i < D / 4; ++i) {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&acc[i]));
-      o[2 * i] = o[2 * i] * alpha[frag::acc_row(2 * i)] + f.x;
-      o[2 * i + 1] = o[2 * i + 1] * alpha[frag::acc_row(2 * i + 1)] + f.y;
+      const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&acc.c[i]));
+      o[2 * i] = o[2 * i] * alpha[frag::acc_row(2 * i)] + h.x;
+      o[2 * i + 1] = o[2 * i + 1] * alpha[frag::acc_row(2 * i + 1)] + h.y;
     }
   }
 
@@ -205,30 +209,30 @@ struct PVOperand<D, PVPath::fp16> {
 };
 
 // SageAttention vT/vB and INT-FlashAttention: INT8 P (static 1/127) and INT8 V on the
-// integer MMA, exact in s32 within a tile, converted once per tile. The thread's code sums
-// per row are returned for the quantized row sum.
+// integer MMA, exact in s32 within a tile, converted once per tile. pack returns the thread's
+// code sums per row for the quantized row sum.
 template <int D>
 struct PVOperand<D, PVPath::int8> {
   static constexpr int kVBytes = 1;
-  template <class Release>
-  __device__ __forceinline__ static void tile(float (&o)[D / 2], const float (&p)[kBlockKV / 2],
-                                              const float (&alpha)[2], const uint8_t* v,
-                                              float p_max, int32_t (&code_sum)[2],
-                                              Release release) {
-    uint32_t pa[kBlockKV / 32][4];
-    pack_p_8bit<kBlockKV>(p, p_max, pa, code_sum, Int8Pair{});
-    int32_t acc[D / 2];
+  struct Fragments { uint32_t a[kBlockKV / 32][4]; };
+  struct Accumulator { int32_t c[D / 2]; };
+  __device__ __forceinline__ static void pack(const float (&p)[kBlockKV / 2], Fragments& f,
+                                              int32_t (&code_sum)[2]) {
+    pack_p_8bit<kBlockKV>(p, f.a, code_sum, Int8Pair{});
+  }
+  __device__ __forceinline__ static void issue(Accumulator& acc, Fragments& f, const uint8_t* v) {
     wgmma_fence();
-    mma_s8_rs<D, false>(acc, pa[0], v8_slice(v, 0));
+    mma_s8_rs<D, false>(acc.c, f.a[0], v8_slice(v, 0));
 #pragma unroll
-    for (int kc = 1; kc < kBlockKV / 32; ++kc) mma_s8_rs<D, true>(acc, pa[kc], v8_slice(v, kc));
+    for (int kc = 1; kc < kBlockKV / 32; ++kc) mma_s8_rs<D, true>(acc.c, f.a[kc], v8_slice(v, kc));
     wgmma_commit();
-    wgmma_wait<0>();
-    reg_fence(acc);
-    reg_fence(pa);
-    release();
+  }
+  __device__ __forceinline__ static void fold(float (&o)[D / 2], Accumulator& acc, Fragments& f,
+                                              const float (&alpha)[2]) {
+    reg_fence(acc.c);
+    reg_fence(f.a);
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = o[i] * alpha[frag::acc_row(i)] + float(acc[i]);
+    for (int i = 0; i < D / 2; ++i) o[i] = o[i] * alpha[frag::acc_row(i)] + float(acc.c[i]);
   }
 };
 
