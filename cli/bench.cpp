@@ -26,6 +26,7 @@ struct BenchConfig {
   std::vector<int64_t> dims, ns;
   int64_t heads = 32, kv_heads = 32, tokens = 32768;
   int64_t warmup = 5, iters = 30;
+  bool split = false;  // also time the two steps (quantize_kv, attention_from_quantized_kv) alone
   std::string json;
 };
 
@@ -81,6 +82,27 @@ AttentionArgs make_args(const Inputs& in, DType dt, int64_t b, int64_t hq, int64
   return a;
 }
 
+// Median milliseconds of c.iters CUDA-event timings of call(i) after c.warmup untimed calls;
+// i counts calls, so that the caller rotates its input copies.
+template <class Call>
+double median_ms(const BenchConfig& c, cudaStream_t stream, Call&& call) {
+  for (int64_t i = 0; i < c.warmup; ++i) call(i);
+  std::vector<cudaEvent_t> ev(2 * c.iters);
+  for (auto& e : ev) cuda_check(cudaEventCreate(&e), "cudaEventCreate");
+  for (int64_t i = 0; i < c.iters; ++i) {
+    cuda_check(cudaEventRecord(ev[2 * i], stream), "cudaEventRecord");
+    call(i + c.warmup);
+    cuda_check(cudaEventRecord(ev[2 * i + 1], stream), "cudaEventRecord");
+  }
+  cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  std::vector<float> ms(c.iters);
+  for (int64_t i = 0; i < c.iters; ++i)
+    cuda_check(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]), "cudaEventElapsedTime");
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::sort(ms.begin(), ms.end());
+  return c.iters % 2 ? ms[c.iters / 2] : 0.5 * (ms[c.iters / 2 - 1] + ms[c.iters / 2]);
+}
+
 int run_grid(const BenchConfig& c) {
   cuda_check(cudaSetDevice(0), "cudaSetDevice");
   cudaDeviceProp prop{};
@@ -95,9 +117,14 @@ int run_grid(const BenchConfig& c) {
   const int total = static_cast<int>(c.recipes.size() * c.dtypes.size() * c.dims.size() *
                                      c.causal.size() * c.ns.size());
   Progress progress(total, true);
-  Table table({"recipe", "dtype", "d", "causal", "N", "batch", "copies", "ms", "TOPS",
-               "workspace/QKV"},
-              {false, false, true, false, true, true, true, true, true, true});
+  std::vector<std::string> columns = {"recipe", "dtype", "d",    "causal", "N",
+                                      "batch",  "copies", "ms", "TOPS",   "workspace/QKV"};
+  std::vector<bool> right = {false, false, true, false, true, true, true, true, true, true};
+  if (c.split) {
+    columns.insert(columns.end(), {"prepass ms", "kernel ms", "kernel TOPS"});
+    right.insert(right.end(), {true, true, true});
+  }
+  Table table(columns, right);
   std::vector<JsonRecord> records;
   // Rows are gathered per recipe so the table reads recipe by recipe, and a recipe refused
   // for one reason at every point takes one row instead of one per point.
@@ -154,29 +181,35 @@ int run_grid(const BenchConfig& c) {
                 args.push_back(make_args(in, dt, batch, c.heads, c.kv_heads, n, d, causal, recipe));
               const size_t ws = workspace_bytes(args[0]);
               DeviceBuffer workspace(ws);
-              for (int64_t i = 0; i < c.warmup; ++i)
-                attention(args[i % args.size()], workspace.get(), ws, stream.get());
-              std::vector<cudaEvent_t> ev(2 * c.iters);
-              for (auto& e : ev) cuda_check(cudaEventCreate(&e), "cudaEventCreate");
-              for (int64_t i = 0; i < c.iters; ++i) {
-                cuda_check(cudaEventRecord(ev[2 * i], stream.get()), "cudaEventRecord");
-                attention(args[(i + c.warmup) % args.size()], workspace.get(), ws, stream.get());
-                cuda_check(cudaEventRecord(ev[2 * i + 1], stream.get()), "cudaEventRecord");
+              const size_t n_sets = args.size();
+              const double med = median_ms(c, stream.get(), [&](int64_t i) {
+                attention(args[i % n_sets], workspace.get(), ws, stream.get());
+              });
+              // The two steps alone: the pre-pass on rotating inputs, and the attention kernel
+              // on K/V quantized once per input copy (one workspace each).
+              double prepass_ms = 0, kernel_ms = 0;
+              if (c.split) {
+                prepass_ms = median_ms(c, stream.get(), [&](int64_t i) {
+                  quantize_kv(args[i % n_sets], workspace.get(), ws, stream.get());
+                });
+                std::vector<DeviceBuffer> quantized;
+                for (size_t i = 0; i < n_sets; ++i) {
+                  quantized.emplace_back(ws);
+                  quantize_kv(args[i], quantized.back().get(), ws, stream.get());
+                }
+                kernel_ms = median_ms(c, stream.get(), [&](int64_t i) {
+                  attention_from_quantized_kv(args[i % n_sets], quantized[i % n_sets].get(), ws,
+                                              stream.get());
+                });
               }
-              stream.sync();
-              std::vector<float> ms(c.iters);
-              for (int64_t i = 0; i < c.iters; ++i)
-                cuda_check(cudaEventElapsedTime(&ms[i], ev[2 * i], ev[2 * i + 1]),
-                           "cudaEventElapsedTime");
-              for (auto& e : ev) cudaEventDestroy(e);
-              std::sort(ms.begin(), ms.end());
-              const double med = c.iters % 2 ? ms[c.iters / 2]
-                                             : 0.5 * (ms[c.iters / 2 - 1] + ms[c.iters / 2]);
               const double t = tops(c, batch, n, d, causal, med);
               const double ratio = static_cast<double>(ws) / static_cast<double>(qkv_bytes);
               std::vector<std::string> row = head;
               row.insert(row.end(), {std::to_string(copies), fixed(med, 3), fixed(t, 1),
                                      fixed(ratio, 3)});
+              if (c.split)
+                row.insert(row.end(), {fixed(prepass_ms, 3), fixed(kernel_ms, 3),
+                                       fixed(tops(c, batch, n, d, causal, kernel_ms), 1)});
               rows[ri].push_back(row);
               ++timed[ri];
               rec.num("ms", med).num("tops", t).str("device", device)
@@ -184,6 +217,8 @@ int run_grid(const BenchConfig& c) {
                   .integer("qkv_bytes", static_cast<int64_t>(qkv_bytes))
                   .integer("copies", static_cast<int64_t>(copies)).integer("iters", c.iters)
                   .integer("warmup", c.warmup);
+              if (c.split)
+                rec.num("prepass_ms", prepass_ms).num("kernel_ms", kernel_ms);
             } catch (const sage::Error& e) {
               // Not timed, and said so: a recipe or shape this build cannot run.
               std::vector<std::string> row = head;
@@ -247,6 +282,7 @@ int run_bench(const std::vector<std::string>& args) {
        {"dtype", "fp16|bf16|both", "input dtype (default fp16)"},
        {"warmup", "W", "untimed calls before timing each point (default 5)"},
        {"iters", "I", "timed calls per point; the median is reported (default 30)"},
+       {"split", "", "also time the two steps alone: the K/V pre-pass and the attention kernel"},
        {"json", "FILE", "also write every point as a JSON record"}},
       args);
   if (flags.help()) {
@@ -266,6 +302,7 @@ int run_bench(const std::vector<std::string>& args) {
     throw UsageError("sage bench: --kv-heads must divide --heads (got " +
                      std::to_string(c.kv_heads) + " and " + std::to_string(c.heads) + ")");
   c.tokens = flags.integer("tokens", 32768, 1, int64_t(1) << 26);
+  c.split = flags.has("split");
   const std::string dtype = flags.choice("dtype", "fp16", {"fp16", "bf16", "both"});
   c.dtypes = dtype == "both" ? std::vector<std::string>{"fp16", "bf16"}
                              : std::vector<std::string>{dtype};

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizers, Python package, benchmark.
-# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [profile] [ab]
+# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [profile] [ab] [knobs]
 # Results land in $OUT (at most 8 files come back): logs, JSON and Markdown.
 # recipes (not a default stage; needs the python stage's package): every preset's whole-call
 # speed at d 64/128, N 1K/4K/16K, non-causal fp16 -> $OUT/h100_recipes.json, the file
@@ -85,26 +85,52 @@ if has ab; then
     done
   done
 fi
+if has knobs; then
+  # Build-knob A/B of this tree: KNOBS="name=nvcc flags;name=flags;..." (e.g.
+  # "base=;spin=-DSAGE_SM90_PRODUCER_SLEEP=0"), each built with only sage2_8b's kernels
+  # (SAGE_KERNEL_VARIANTS), then `sage bench --split` of all alternated twice in one run.
+  log "knob A/B: ${KNOBS:-}"
+  IFS=';' read -r -a knobs <<< "${KNOBS:-base=}"
+  for kv in "${knobs[@]}"; do
+    name=${kv%%=*}; flags=${kv#*=}
+    cmake -S . -B build-knob-$name -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAGE_BUILD_TESTS=OFF \
+      -DSAGE_KERNEL_VARIANTS=e4m3_two_level:per_tile:0 -DCMAKE_CUDA_FLAGS="$flags" \
+      > "$OUT/knob_build.log" 2>&1 && ninja -C build-knob-$name -j16 sage_cli >> "$OUT/knob_build.log" 2>&1 ||
+      { tail -30 "$OUT/knob_build.log"; exit 1; }
+  done
+  for round in 1 2; do
+    for kv in "${knobs[@]}"; do
+      name=${kv%%=*}
+      echo "-- $name (round $round)"
+      timeout 150 build-knob-$name/cli/sage bench --recipe ${AB_RECIPE:-sage2_8b} --d 64,128 \
+        --n ${AB_N:-1024,4096,16384} --causal ${AB_CAUSAL:-no} --iters 20 --split 2>&1 |
+        grep -E "^sage2|^ *recipe|^[a-z0-9_]+ +fp16" | tail -7
+    done
+  done
+fi
 if has profile; then
   # Nsight Compute on one whole call of sage2_8b (the K/V pre-pass kernels and the attention
   # kernel): the full section set as text, per-pipe utilization of the attention kernel, and
   # its SASS with stall samples at d = 128, N = 16K. For docs/performance.md.
   log "ncu profile"
   NCU="ncu --clock-control none"
-  SAGE_BENCH="$BUILD/cli/sage bench --recipe sage2_8b --causal no --warmup 2 --iters 1"
-  for point in "128 1024" "128 16384" "64 16384"; do
+  PB=${PROFILE_BUILD:-$BUILD}  # e.g. build-knob-base after a knobs stage
+  SAGE_BENCH="$PB/cli/sage bench --recipe sage2_8b --causal no --warmup 2 --iters 1"
+  # PROFILE_POINTS: "d n;d n;..." (SASS with stall samples is exported for each).
+  IFS=';' read -r -a points <<< "${PROFILE_POINTS:-128 1024;128 16384;64 16384}"
+  for point in "${points[@]}"; do
     set -- $point
     timeout 200 $NCU --set full --import-source yes -k "regex:attention_kernel|kv_" \
-      --launch-skip 6 --launch-count 3 -o "$BUILD/prof_d$1_n$2" -f \
+      --launch-skip 6 --launch-count 3 -o "$PB/prof_d$1_n$2" -f \
       $SAGE_BENCH --d $1 --n $2 > /dev/null 2>&1
-    ncu --import "$BUILD/prof_d$1_n$2.ncu-rep" --page details --print-details all \
+    ncu --import "$PB/prof_d$1_n$2.ncu-rep" --page details --print-details all \
       > "$OUT/ncu_d$1_n$2.txt" 2>&1
-    ncu --import "$BUILD/prof_d$1_n$2.ncu-rep" --page raw --csv \
+    ncu --import "$PB/prof_d$1_n$2.ncu-rep" --page raw --csv \
       --metrics 'regex:^sm__(inst_executed_pipe_[a-z_]+|pipe_[a-z_]+_cycles_active)\.avg\.pct_of_peak_sustained_active$' \
       >> "$OUT/ncu_d$1_n$2.txt" 2>&1
     echo "ncu d=$1 n=$2: $(grep -c 'Section:' "$OUT/ncu_d$1_n$2.txt") sections"
+    ncu --import "$PB/prof_d$1_n$2.ncu-rep" --page source --print-source sass --csv \
+      -k regex:attention_kernel > "$OUT/ncu_sass_d$1_n$2.csv" 2>&1
+    echo "sass export: $(wc -l < "$OUT/ncu_sass_d$1_n$2.csv") lines"
   done
-  ncu --import "$BUILD/prof_d128_n16384.ncu-rep" --page source --print-source sass --csv \
-    -k regex:attention_kernel > "$OUT/ncu_sass_d128_n16384.csv" 2>&1
-  echo "sass export: $(wc -l < "$OUT/ncu_sass_d128_n16384.csv") lines"
 fi

@@ -111,14 +111,13 @@ Dims strides_of(const TensorView& t, Layout layout) {
 }
 
 struct WorkspaceLayout {
-  size_t k, vt, k_scale, k_mean, v_scale, v_mean, partials, total;
-  int n_pad, chunks;
+  size_t k, vt, k_scale, k_mean, v_scale, v_mean, v_inv, k_amax, total;
+  int n_pad;
 };
 
 WorkspaceLayout workspace_layout(const Problem& pr, sm90::PVPath path) {
   WorkspaceLayout w{};
   w.n_pad = int(std::max<int64_t>(1, ceil_div(pr.n_kv, sm90::kBlockKV)) * sm90::kBlockKV);
-  w.chunks = int(ceil_div(pr.n_kv, sm90::kStatsChunk));
   const size_t heads = size_t(pr.batch) * pr.heads_kv;
   const size_t d = size_t(pr.head_dim);
   size_t off = 0;
@@ -135,7 +134,8 @@ WorkspaceLayout workspace_layout(const Problem& pr, sm90::PVPath path) {
   w.k_mean = take(heads * d * sizeof(float));
   w.v_scale = take(heads * d * sizeof(float));
   w.v_mean = take(heads * d * sizeof(float));
-  w.partials = take(size_t(sm90::kNumStats) * heads * w.chunks * d * sizeof(float));
+  w.v_inv = take(heads * d * sizeof(float));
+  w.k_amax = take(heads * sizeof(float));
   w.total = off;
   return w;
 }
@@ -148,7 +148,8 @@ sm90::QuantizedKV quantized_kv_at(uint8_t* ws, const WorkspaceLayout& w) {
   kv.k_mean = reinterpret_cast<float*>(ws + w.k_mean);
   kv.v_scale = reinterpret_cast<float*>(ws + w.v_scale);
   kv.v_mean = reinterpret_cast<float*>(ws + w.v_mean);
-  kv.partials = reinterpret_cast<float*>(ws + w.partials);
+  kv.v_inv = reinterpret_cast<float*>(ws + w.v_inv);
+  kv.k_amax = reinterpret_cast<float*>(ws + w.k_amax);
   return kv;
 }
 
@@ -185,7 +186,7 @@ void run_quantize_kv(const AttentionArgs& args, const Problem& pr, const KernelV
   qp.k_stride_b = ks.b, qp.k_stride_h = ks.h, qp.k_stride_n = ks.n;
   qp.v_stride_b = vs.b, qp.v_stride_h = vs.h, qp.v_stride_n = vs.n;
   qp.batch = int(pr.batch), qp.heads_kv = int(pr.heads_kv), qp.n_kv = int(pr.n_kv);
-  qp.n_pad = w.n_pad, qp.chunks = w.chunks;
+  qp.n_pad = w.n_pad;
   qp.k_granularity = r.qk_granularity;
   qp.k_max = qk_format_max(r);
   qp.smooth_k = r.smooth_k, qp.smooth_v = r.smooth_v;

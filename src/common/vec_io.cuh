@@ -20,23 +20,28 @@ __device__ __forceinline__ float2 word_to_float2(uint32_t w) {
   }
 }
 
+// Eight 16-bit values held in one 16-byte word (a raw vector load), to floats.
+template <class T>
+__device__ __forceinline__ void unpack8(const uint4& raw, float (&x)[8]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = word_to_float2<T>(w[i]);
+    x[2 * i] = f.x;
+    x[2 * i + 1] = f.y;
+  }
+}
+
 // N consecutive elements (N = 4: 8 bytes, N = 8: 16 bytes) in one vector load.
 template <int N, class T>
 __device__ __forceinline__ void load_vec(const T* p, float (&x)[N]) {
   static_assert(N == 4 || N == 8, "8- or 16-byte loads");
-  uint32_t w[N / 2];
   if constexpr (N == 8) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p);
-    w[0] = raw.x, w[1] = raw.y, w[2] = raw.z, w[3] = raw.w;
+    unpack8<T>(*reinterpret_cast<const uint4*>(p), x);
   } else {
     const uint2 raw = *reinterpret_cast<const uint2*>(p);
-    w[0] = raw.x, w[1] = raw.y;
-  }
-#pragma unroll
-  for (int i = 0; i < N / 2; ++i) {
-    const float2 f = word_to_float2<T>(w[i]);
-    x[2 * i] = f.x;
-    x[2 * i + 1] = f.y;
+    const float2 a = word_to_float2<T>(raw.x), b = word_to_float2<T>(raw.y);
+    x[0] = a.x, x[1] = a.y, x[2] = b.x, x[3] = b.y;
   }
 }
 template <class T>

@@ -1,5 +1,6 @@
 #include "quant/kv_prepass.cuh"
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -17,74 +18,133 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ int64_t partial_index(const sm90::KVQuantParams& p, int stat, int b,
-                                                 int h, int chunk, int c, int D) {
-  return ((((int64_t)stat * p.batch + b) * p.heads_kv + h) * p.chunks + chunk) * D + c;
-}
+// ---- pass 1: statistics --------------------------------------------------------------------
+// One cluster of kStatsCtas CTAs per (batch, kv head): the first half reads K, the second V,
+// each CTA a stride of the head's tokens. Rank 0 combines the CTAs' sums and extremes through
+// distributed shared memory in rank order (deterministic, no atomics) and writes the head's
+// finals, so that a quantize CTA reads a few floats per channel instead of reducing partials.
+// (v8 wrote per-chunk partials that every quantize CTA of the head reduced again: L2 reads
+// growing as N^2, 1.4 ms of pre-pass at d = 128, N = 16K on the H100 against 0.86 ms at 1K.)
+constexpr int kStatsCtas = 8;
+constexpr int kStatsPerTensor = kStatsCtas / 2;
+constexpr int kStatsUnroll = 4;  // rows in flight per thread
+enum StatsRow : int { kSum = 0, kMax, kMin, kStatsRows };
 
-// Pass 1: per-chunk channel statistics of K and V.
-template <int D, class T>
-__global__ void __launch_bounds__(kThreads) kv_stats_kernel(const sm90::KVQuantParams p) {
-  constexpr int kLanesPerRow = D / 8;
-  constexpr int kRowsPerIter = kThreads / kLanesPerRow;
-  const int chunk = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int lane_c = threadIdx.x % kLanesPerRow, r0 = threadIdx.x / kLanesPerRow;
-
-  float st[sm90::kNumStats][8];
+template <class T>
+struct ChannelStats {
+  float sum[8], max[8], min[8];
+  __device__ __forceinline__ void init() {
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    st[sm90::kSumK][i] = st[sm90::kSumV][i] = 0.f;
-    st[sm90::kMaxK][i] = st[sm90::kMaxV][i] = -FLT_MAX;
-    st[sm90::kMinK][i] = st[sm90::kMinV][i] = FLT_MAX;
+    for (int i = 0; i < 8; ++i) sum[i] = 0.f, max[i] = -FLT_MAX, min[i] = FLT_MAX;
   }
-  const T* kb = static_cast<const T*>(p.k) + b * p.k_stride_b + h * p.k_stride_h + lane_c * 8;
-  const T* vb = static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h + lane_c * 8;
-  const int end = min(p.n_kv, (chunk + 1) * sm90::kStatsChunk);
-  for (int t = chunk * sm90::kStatsChunk + r0; t < end; t += kRowsPerIter) {
-    float x[8], y[8];
-    gpu::load8(kb + t * p.k_stride_n, x);
-    gpu::load8(vb + t * p.v_stride_n, y);
+  __device__ __forceinline__ void add(const uint4& raw) {
+    float x[8];
+    gpu::unpack8<T>(raw, x);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      st[sm90::kSumK][i] += x[i];
-      st[sm90::kMaxK][i] = fmaxf(st[sm90::kMaxK][i], x[i]);
-      st[sm90::kMinK][i] = fminf(st[sm90::kMinK][i], x[i]);
-      st[sm90::kSumV][i] += y[i];
-      st[sm90::kMaxV][i] = fmaxf(st[sm90::kMaxV][i], y[i]);
-      st[sm90::kMinV][i] = fminf(st[sm90::kMinV][i], y[i]);
+      sum[i] += x[i];
+      max[i] = fmaxf(max[i], x[i]);
+      min[i] = fminf(min[i], x[i]);
     }
   }
-  // Combine the row groups in a fixed order (deterministic).
+  __device__ __forceinline__ float row(int s, int i) const {
+    return s == kSum ? sum[i] : s == kMax ? max[i] : min[i];
+  }
+};
+
+// Four CTAs per SM: at d = 128, N = 16K the grid (8 CTAs for each of 64 heads) is one wave.
+template <int D, class T>
+__global__ void __cluster_dims__(kStatsCtas, 1, 1) __launch_bounds__(kThreads, 4)
+    kv_stats_kernel(const sm90::KVQuantParams p) {
+  namespace cg = cooperative_groups;
+  constexpr int kLanesPerRow = D / 8;
+  constexpr int kRowsPerIter = kThreads / kLanesPerRow;
+  constexpr int kStep = kRowsPerIter * kStatsPerTensor;  // tokens between a thread's rows
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank());
+  const bool is_v = rank >= kStatsPerTensor;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int lane_c = threadIdx.x % kLanesPerRow, r0 = threadIdx.x / kLanesPerRow;
+
+  const T* base = (is_v ? static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h
+                        : static_cast<const T*>(p.k) + b * p.k_stride_b + h * p.k_stride_h) +
+                  lane_c * 8;
+  const int64_t stride_n = is_v ? p.v_stride_n : p.k_stride_n;
+  ChannelStats<T> st;
+  st.init();
+  // The CTAs of one tensor interleave by kRowsPerIter rows, so that they stream neighbouring
+  // memory at the same time; each thread keeps kStatsUnroll loads in flight.
+  int t = (rank % kStatsPerTensor) * kRowsPerIter + r0;
+  for (; t + (kStatsUnroll - 1) * kStep < p.n_kv; t += kStatsUnroll * kStep) {
+    uint4 raw[kStatsUnroll];
+#pragma unroll
+    for (int u = 0; u < kStatsUnroll; ++u)
+      raw[u] = *reinterpret_cast<const uint4*>(base + int64_t(t + u * kStep) * stride_n);
+#pragma unroll
+    for (int u = 0; u < kStatsUnroll; ++u) st.add(raw[u]);
+  }
+  for (; t < p.n_kv; t += kStep) st.add(*reinterpret_cast<const uint4*>(base + int64_t(t) * stride_n));
+
+  // The CTA's rows, combined in a fixed order.
   __shared__ float red[kRowsPerIter * D];
+  __shared__ float cta_stats[kStatsRows][D];
 #pragma unroll
-  for (int s = 0; s < sm90::kNumStats; ++s) {
+  for (int s = 0; s < kStatsRows; ++s) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) red[r0 * D + lane_c * 8 + i] = st[s][i];
+    for (int i = 0; i < 8; ++i) red[r0 * D + lane_c * 8 + i] = st.row(s, i);
     __syncthreads();
     if (threadIdx.x < D) {
       float acc = red[threadIdx.x];
       for (int r = 1; r < kRowsPerIter; ++r) {
         const float v = red[r * D + threadIdx.x];
-        acc = (s == sm90::kSumK || s == sm90::kSumV) ? acc + v
-              : (s == sm90::kMaxK || s == sm90::kMaxV) ? fmaxf(acc, v)
-                                                       : fminf(acc, v);
+        acc = s == kSum ? acc + v : s == kMax ? fmaxf(acc, v) : fminf(acc, v);
       }
-      p.out.partials[partial_index(p, s, b, h, chunk, threadIdx.x, D)] = acc;
+      cta_stats[s][threadIdx.x] = acc;
     }
     __syncthreads();
   }
-}
+  cluster.sync();  // every CTA's cta_stats is written
 
-// Eight 16-bit values loaded as one 16-byte word, to floats.
-template <class T>
-__device__ __forceinline__ void raw_to_float(const uint4& raw, float (&x)[8]) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = gpu::word_to_float2<T>(w[i]);
-    x[2 * i] = f.x;
-    x[2 * i + 1] = f.y;
+  if (rank == 0) {
+    __shared__ float s_kamax[D], s_vamax[D];
+    const int64_t head = (int64_t)b * p.heads_kv + h;
+    if (threadIdx.x < D) {
+      const int c = threadIdx.x;
+      float sum[2] = {0.f, 0.f}, mx[2] = {-FLT_MAX, -FLT_MAX}, mn[2] = {FLT_MAX, FLT_MAX};
+      for (int r = 0; r < kStatsCtas; ++r) {
+        const float* other = cluster.map_shared_rank(&cta_stats[0][0], r);
+        const int which = r / kStatsPerTensor;  // 0: K, 1: V
+        sum[which] += other[kSum * D + c];
+        mx[which] = fmaxf(mx[which], other[kMax * D + c]);
+        mn[which] = fminf(mn[which], other[kMin * D + c]);
+      }
+      const float km = p.smooth_k ? sum[0] / p.n_kv : 0.f;
+      const float vm = p.smooth_v ? sum[1] / p.n_kv : 0.f;
+      // Rounding is monotonic, so the extreme of |x - mean| is reached at the channel's max
+      // or min: the same value a pass over every token would find.
+      s_kamax[c] = fmaxf(mx[0] - km, km - mn[0]);
+      s_vamax[c] = fmaxf(mx[1] - vm, vm - mn[1]);
+      p.out.k_mean[head * D + c] = km;
+      p.out.v_mean[head * D + c] = vm;
+    }
+    __syncthreads();
+    if (threadIdx.x < D) {
+      const int c = threadIdx.x;
+      float vamax = s_vamax[c];
+      if (p.v_per_tensor)  // INT-FlashAttention: one scale over all channels
+        for (int i = 0; i < D; ++i) vamax = fmaxf(vamax, s_vamax[i]);
+      // fp16 V is not scaled: the kernel's epilogue multiplies by 1.
+      const bool v_fp16 = p.pv_path == sm90::PVPath::fp16;
+      p.out.v_scale[head * D + c] = v_fp16 ? 1.f : rules::symmetric_scale(vamax, p.v_max);
+      p.out.v_inv[head * D + c] = v_fp16 ? 1.f : rules::symmetric_inverse(vamax, p.v_max);
+      if (c == 0) {
+        float kamax = 0.f;
+        for (int i = 0; i < D; ++i) kamax = fmaxf(kamax, s_kamax[i]);
+        p.out.k_amax[head] = kamax;
+      }
+    }
   }
+  cluster.sync();  // the other CTAs' shared memory stays alive until rank 0 has read it
 }
 
 // Bytes per transposed V row in shared memory: a tile's tokens plus 4 bytes of padding per
@@ -125,113 +185,43 @@ __device__ __forceinline__ void store_vt_tile(const sm90::KVQuantParams& p, int 
   }
 }
 
-// Pass 2: quantize one 128-token tile of K and of V.
+
+// ---- pass 2: quantize ----------------------------------------------------------------------
+// Two CTAs per 128-token tile, one for K and one for V (blockIdx.x = 2 * tile + is_v). Each
+// holds only its own tensor's rows in registers, all loads issued first: 64 registers per
+// thread at d = 128 where one CTA for both took 126, so three CTAs per SM instead of two (that
+// v8 kernel ran at 39% of DRAM bandwidth, ncu, H100, d = 128, N = 1K).
 template <int D, class T>
-__global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQuantParams p) {
+__device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, int tile, int h,
+                                                int b) {
   constexpr int kLanesPerRow = D / 8;
   constexpr int kRowsPerIter = kThreads / kLanesPerRow;
   constexpr int kRows = sm90::kBlockKV / kRowsPerIter;  // rows per thread
-  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int lane_c = threadIdx.x % kLanesPerRow, r0 = threadIdx.x / kLanesPerRow;
-  const bool v_fp16 = p.pv_path == sm90::PVPath::fp16;
-
-  __shared__ float s_kmean[D], s_kamax[D], s_vmean[D], s_vamax[D], s_vinv[D];
+  const int64_t head = (int64_t)b * p.heads_kv + h;
+  __shared__ float s_kmean[D];
   __shared__ float s_row_amax[sm90::kBlockKV];
   __shared__ float s_kinv[sm90::kBlockKV];  // per token, or the tile's per-thread groups
-  __shared__ float s_group_stats[kThreads / D][sm90::kNumStats][D];
-  // The transposed V tile, D rows of `pitch` bytes: dynamic, sized by the launch for the
-  // path's element size, so that 8-bit V does not pay fp16's shared memory in occupancy.
-  extern __shared__ __align__(16) uint8_t s_vt[];
 
-  // The tile's K and V rows, loaded raw before anything else: these loads are the kernel's
-  // DRAM traffic, and issued together up front they are in flight while the statistics are
-  // reduced (issued after it, K then V, each round waited for its own latency; ncu showed the
-  // kernel at 41% of DRAM bandwidth, H100, d = 128, N = 1K).
   const T* kb = static_cast<const T*>(p.k) + b * p.k_stride_b + h * p.k_stride_h + lane_c * 8;
-  const T* vb = static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h + lane_c * 8;
-  uint4 k_raw[kRows], v_raw[kRows];
+  uint4 raw[kRows];
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     const int t = tile * sm90::kBlockKV + r0 + i * kRowsPerIter;
-    k_raw[i] = v_raw[i] = make_uint4(0, 0, 0, 0);  // zeros: padding never counts toward a scale
-    if (t < p.n_kv) {
-      k_raw[i] = *reinterpret_cast<const uint4*>(kb + (int64_t)t * p.k_stride_n);
-      v_raw[i] = *reinterpret_cast<const uint4*>(vb + (int64_t)t * p.v_stride_n);
-    }
+    // Zeros past n_kv: padding never counts toward a scale.
+    raw[i] = t < p.n_kv ? *reinterpret_cast<const uint4*>(kb + (int64_t)t * p.k_stride_n)
+                        : make_uint4(0, 0, 0, 0);
   }
-
-  // Channel statistics over all tokens, reduced from the partials: kGroups thread groups
-  // each take a contiguous run of chunks in order, then the runs combine in group order
-  // (deterministic). Every CTA of a head repeats this (docs/performance.md, next steps).
-  constexpr int kGroups = kThreads / D;
-  {
-    const int c = threadIdx.x % D, group = threadIdx.x / D;
-    const int per_group = (p.chunks + kGroups - 1) / kGroups;
-    const int ch0 = group * per_group, ch1 = min(p.chunks, ch0 + per_group);
-    float st[sm90::kNumStats] = {0.f, -FLT_MAX, FLT_MAX, 0.f, -FLT_MAX, FLT_MAX};
-#pragma unroll 4
-    for (int ch = ch0; ch < ch1; ++ch) {
-      st[sm90::kSumK] += p.out.partials[partial_index(p, sm90::kSumK, b, h, ch, c, D)];
-      st[sm90::kMaxK] = fmaxf(st[sm90::kMaxK], p.out.partials[partial_index(p, sm90::kMaxK, b, h, ch, c, D)]);
-      st[sm90::kMinK] = fminf(st[sm90::kMinK], p.out.partials[partial_index(p, sm90::kMinK, b, h, ch, c, D)]);
-      st[sm90::kSumV] += p.out.partials[partial_index(p, sm90::kSumV, b, h, ch, c, D)];
-      st[sm90::kMaxV] = fmaxf(st[sm90::kMaxV], p.out.partials[partial_index(p, sm90::kMaxV, b, h, ch, c, D)]);
-      st[sm90::kMinV] = fminf(st[sm90::kMinV], p.out.partials[partial_index(p, sm90::kMinV, b, h, ch, c, D)]);
-    }
-#pragma unroll
-    for (int k = 0; k < sm90::kNumStats; ++k) s_group_stats[group][k][c] = st[k];
-  }
-  __syncthreads();
-  if (threadIdx.x < D) {
-    const int c = threadIdx.x;
-    float ksum = s_group_stats[0][sm90::kSumK][c], vsum = s_group_stats[0][sm90::kSumV][c];
-    float kmax = s_group_stats[0][sm90::kMaxK][c], kmin = s_group_stats[0][sm90::kMinK][c];
-    float vmax = s_group_stats[0][sm90::kMaxV][c], vmin = s_group_stats[0][sm90::kMinV][c];
-#pragma unroll
-    for (int g = 1; g < kGroups; ++g) {
-      ksum += s_group_stats[g][sm90::kSumK][c];
-      vsum += s_group_stats[g][sm90::kSumV][c];
-      kmax = fmaxf(kmax, s_group_stats[g][sm90::kMaxK][c]);
-      kmin = fminf(kmin, s_group_stats[g][sm90::kMinK][c]);
-      vmax = fmaxf(vmax, s_group_stats[g][sm90::kMaxV][c]);
-      vmin = fminf(vmin, s_group_stats[g][sm90::kMinV][c]);
-    }
-    const float km = p.smooth_k ? ksum / p.n_kv : 0.f;
-    const float vm = p.smooth_v ? vsum / p.n_kv : 0.f;
-    // Rounding is monotonic, so the extreme of |x - mean| is reached at the channel's max or
-    // min: the same value a pass over every token would find.
-    const float kamax = fmaxf(kmax - km, km - kmin);
-    const float vamax = fmaxf(vmax - vm, vm - vmin);
-    s_kmean[c] = km;
-    s_kamax[c] = kamax;
-    s_vmean[c] = vm;
-    s_vamax[c] = vamax;
-  }
-  __syncthreads();
-  if (threadIdx.x < D) {
-    const int c = threadIdx.x;
-    float vamax = s_vamax[c];
-    if (p.v_per_tensor)  // INT-FlashAttention: one scale over all channels
-      for (int i = 0; i < D; ++i) vamax = fmaxf(vamax, s_vamax[i]);
-    // fp16 V is not scaled: the kernel's epilogue multiplies by 1.
-    s_vinv[c] = v_fp16 ? 1.f : rules::symmetric_inverse(vamax, p.v_max);
-    if (tile == 0) {
-      const int64_t o = ((int64_t)b * p.heads_kv + h) * D + c;
-      p.out.k_mean[o] = s_kmean[c];
-      p.out.v_mean[o] = s_vmean[c];
-      p.out.v_scale[o] = v_fp16 ? 1.f : rules::symmetric_scale(vamax, p.v_max);
-    }
-  }
+  if (threadIdx.x < D) s_kmean[threadIdx.x] = p.out.k_mean[head * D + threadIdx.x];
   __syncthreads();
 
-  // ---- K: smooth, group amax, INT8 -------------------------------------------------------
-  // Each 16-bit value is converted twice (here for the amax, below for the codes) rather than
-  // kept as floats: 64 fewer live registers per thread, two CTAs per SM.
+  // Each 16-bit value is converted twice (here for the amax, below for the codes) rather
+  // than kept as floats: 32 fewer live registers per thread.
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     const int r = r0 + i * kRowsPerIter;
     float x[8];
-    raw_to_float<T>(k_raw[i], x);
+    gpu::unpack8<T>(raw[i], x);
     float amax = 0.f;
     if (tile * sm90::kBlockKV + r < p.n_kv)
 #pragma unroll
@@ -247,7 +237,7 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQua
     if (threadIdx.x < sm90::kBlockKV) {
       const int r = threadIdx.x;
       s_kinv[r] = rules::symmetric_inverse(s_row_amax[r], k_max);
-      p.out.k_scale[((int64_t)b * p.heads_kv + h) * p.n_pad + tile * sm90::kBlockKV + r] =
+      p.out.k_scale[head * p.n_pad + tile * sm90::kBlockKV + r] =
           rules::symmetric_scale(s_row_amax[r], k_max);
     }
   } else if (threadIdx.x < sm90::kKScalesPerTile) {
@@ -259,19 +249,18 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQua
           if ((r % 8) / 2 == g) amax = fmaxf(amax, s_row_amax[r]);
         break;
       case Granularity::per_tensor:
-        for (int c = 0; c < D; ++c) amax = fmaxf(amax, s_kamax[c]);
+        amax = p.out.k_amax[head];
         break;
       default:  // per_block and per_warp: every warp reads the whole K tile
         for (int r = 0; r < sm90::kBlockKV; ++r) amax = fmaxf(amax, s_row_amax[r]);
         break;
     }
     s_kinv[g] = rules::symmetric_inverse(amax, k_max);
-    p.out.k_scale[(((int64_t)b * p.heads_kv + h) * (p.n_pad / sm90::kBlockKV) + tile) *
-                      sm90::kKScalesPerTile + g] = rules::symmetric_scale(amax, k_max);
+    p.out.k_scale[(head * (p.n_pad / sm90::kBlockKV) + tile) * sm90::kKScalesPerTile + g] =
+        rules::symmetric_scale(amax, k_max);
   }
   __syncthreads();
-  int8_t* kq = p.out.k + (((int64_t)b * p.heads_kv + h) * p.n_pad + tile * sm90::kBlockKV) * D +
-               lane_c * 8;
+  int8_t* kq = p.out.k + (head * p.n_pad + tile * sm90::kBlockKV) * D + lane_c * 8;
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     const int r = r0 + i * kRowsPerIter;
@@ -280,7 +269,7 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQua
                                                                           : 0];
     const bool valid = tile * sm90::kBlockKV + r < p.n_kv;
     float x[8];
-    raw_to_float<T>(k_raw[i], x);
+    gpu::unpack8<T>(raw[i], x);
     uint32_t w[2] = {0, 0};
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -290,9 +279,36 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQua
     }
     *reinterpret_cast<uint2*>(kq + (int64_t)r * D) = make_uint2(w[0], w[1]);
   }
+}
 
-  // ---- V: smooth, scale, encode (E4M3, INT8 or fp16), transpose --------------------------
-  // 8-bit V takes the P-layout token permutation; fp16 V stays in token order (pv_operand.cuh).
+// V: smooth, scale, encode (E4M3, INT8 or fp16), transpose through s_vt (D rows of `pitch`
+// bytes). 8-bit V takes the P-layout token permutation; fp16 V stays in token order
+// (pv_operand.cuh).
+template <int D, class T>
+__device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, int tile, int h,
+                                                int b, uint8_t* s_vt) {
+  constexpr int kLanesPerRow = D / 8;
+  constexpr int kRowsPerIter = kThreads / kLanesPerRow;
+  constexpr int kRows = sm90::kBlockKV / kRowsPerIter;
+  const int lane_c = threadIdx.x % kLanesPerRow, r0 = threadIdx.x / kLanesPerRow;
+  const int64_t head = (int64_t)b * p.heads_kv + h;
+  const bool v_fp16 = p.pv_path == sm90::PVPath::fp16;
+  __shared__ float s_vmean[D], s_vinv[D];
+
+  const T* vb = static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h + lane_c * 8;
+  uint4 raw[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    const int t = tile * sm90::kBlockKV + r0 + i * kRowsPerIter;
+    raw[i] = t < p.n_kv ? *reinterpret_cast<const uint4*>(vb + (int64_t)t * p.v_stride_n)
+                        : make_uint4(0, 0, 0, 0);
+  }
+  if (threadIdx.x < D) {
+    s_vmean[threadIdx.x] = p.out.v_mean[head * D + threadIdx.x];
+    s_vinv[threadIdx.x] = p.out.v_inv[head * D + threadIdx.x];
+  }
+  __syncthreads();
+
   const int v_bytes = v_fp16 ? 2 : 1;
   const int pitch = v_bytes * kVtPitch8;
 #pragma unroll
@@ -300,7 +316,7 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQua
     const int r = r0 + i * kRowsPerIter;
     const int t = tile * sm90::kBlockKV + r;
     float y[8];
-    raw_to_float<T>(v_raw[i], y);
+    gpu::unpack8<T>(raw[i], y);
     const int pos = v_fp16 ? r : 32 * (r / 32) + pv_position_of_token(r % 32);
 #pragma unroll
     for (int j = 0; j < 8; j += 2) {
@@ -322,6 +338,18 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQua
   }
   __syncthreads();
   store_vt_tile<D>(p, b, h, tile, s_vt, pitch, v_bytes);
+}
+
+template <int D, class T>
+__global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQuantParams p) {
+  // The transposed V tile: dynamic, sized by the launch for the path's element size, so that
+  // 8-bit V does not pay fp16's shared memory in occupancy.
+  extern __shared__ __align__(16) uint8_t s_vt[];
+  const int tile = blockIdx.x / 2, h = blockIdx.y, b = blockIdx.z;
+  if (blockIdx.x % 2 == 0)
+    quantize_k_tile<D, T>(p, tile, h, b);
+  else
+    quantize_v_tile<D, T>(p, tile, h, b, s_vt);
 }
 
 // Pass for prequantized INT8 inputs (INT-FlashAttention): nothing to measure or quantize, so
@@ -380,9 +408,9 @@ void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream) {
     kv_copy_prequantized_kernel<D><<<grid, kThreads, 0, stream>>>(p);
     return;
   }
-  const dim3 stats_grid(p.chunks, p.heads_kv, p.batch);
+  const dim3 stats_grid(kStatsCtas, p.heads_kv, p.batch);  // one cluster per head
   kv_stats_kernel<D, T><<<stats_grid, kThreads, 0, stream>>>(p);
-  const dim3 quant_grid(p.n_pad / sm90::kBlockKV, p.heads_kv, p.batch);
+  const dim3 quant_grid(2 * (p.n_pad / sm90::kBlockKV), p.heads_kv, p.batch);
   const size_t vt_bytes = size_t(D) * sm90::v_bytes(p.pv_path) * kVtPitch8;  // < 48 KiB
   kv_quantize_kernel<D, T><<<quant_grid, kThreads, vt_bytes, stream>>>(p);
 }

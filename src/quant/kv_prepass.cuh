@@ -1,13 +1,13 @@
 // The K/V pre-pass: two launches that turn fp16/bf16 K and V into what the attention kernel
 // streams with TMA.
 //
-//   1. kv_stats: per chunk of tokens, per channel: sum/max/min of K and V. Written as
-//      partials (no atomics) so that every run reduces them in the same order and repeated
-//      calls are bit-identical.
-//   2. kv_quantize: one CTA per 128-token tile. Reduces the partials (K mean, V mean and V
-//      channel range), then quantizes the tile: K smoothed and INT8 with the group map of
-//      tile.h; V smoothed, scaled per channel, E4M3, transposed to [D, tokens] with the
-//      token permutation the P register layout needs (see pv_permutation below).
+//   1. kv_stats: one cluster of CTAs per head reads K and V once and writes the head's
+//      channel statistics (K mean, V mean, V scale and its inverse, K's largest |K - mean|),
+//      combined on chip in a fixed order, so repeated calls are bit-identical.
+//   2. kv_quantize: two CTAs per 128-token tile, one for K and one for V. K smoothed and INT8
+//      with the group map of tile.h; V smoothed, scaled per channel, E4M3, transposed to
+//      [D, tokens] with the token permutation the P register layout needs (see
+//      pv_position_of_token below).
 #pragma once
 
 #include <cstdint>

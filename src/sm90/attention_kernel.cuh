@@ -37,6 +37,23 @@ namespace sage::sm90 {
 #ifndef SAGE_SM90_OVERLAP_PV
 #define SAGE_SM90_OVERLAP_PV 1  // the intra-warpgroup pipeline (0: one tile at a time)
 #endif
+#ifndef SAGE_SM90_PRODUCER_SLEEP
+// 1: the producer's wait on a full ring asks to be suspended (try_wait with a time hint)
+// instead of re-issuing try_wait; 0 (default): spin, measured ~1% faster at d = 128
+// (H100, same-run A/B, docs/performance.md v9).
+#define SAGE_SM90_PRODUCER_SLEEP 0
+#endif
+#ifndef SAGE_SM90_KSCALE_AHEAD
+// 1 (default, GPU-tested): a per-tile K group scale is loaded into a register one tile before
+// its use; 0: where it is used, as in v8. With SAGE_SM90_L2_PREFETCH=1, 0 measured faster
+// (docs/performance.md, v9 knobs): the next session tests it and flips both defaults.
+#define SAGE_SM90_KSCALE_AHEAD 1
+#endif
+#ifndef SAGE_SM90_L2_PREFETCH
+// 1: the head's K scales and V scales/means are prefetched into L2 in the prologue
+// (measured faster, not yet run through the GPU tests; 0 is the tested default).
+#define SAGE_SM90_L2_PREFETCH 0
+#endif
 #ifndef SAGE_SM90_PINGPONG
 #define SAGE_SM90_PINGPONG 0  // off: measured slower (H200, d = 128, N = 16K: 686 vs 738 TOPS)
 #endif
@@ -124,7 +141,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       constexpr int kVBoxes = PV::kVBytes;
       for (int it = 0; it < n_tiles; ++it) {
         const int stage = it % kStages;
-        mbar_wait_sleeping(&s.empty[stage], ((it / kStages) & 1) ^ 1);
+        if constexpr (SAGE_SM90_PRODUCER_SLEEP)
+          mbar_wait_sleeping(&s.empty[stage], ((it / kStages) & 1) ^ 1);
+        else
+          mbar_wait(&s.empty[stage], ((it / kStages) & 1) ^ 1);
         mbar_expect_tx(&s.full[stage], kStageBytes);
         tma_load_2d(s.k[stage], &tma_k, &s.full[stage], 0, k_row0 + it * kBlockKV);
 #pragma unroll
@@ -152,6 +172,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   const T* q_head = p.q_scale ? reinterpret_cast<const T*>(static_cast<const int8_t*>(p.q) + q_offset)
                               : static_cast<const T*>(p.q) + q_offset;
   const float* q_scale_head = p.q_scale ? p.q_scale + b * p.qs_stride_b + h * p.qs_stride_h : nullptr;
+  // The head's K scales and V scales/means are a few KiB that the quantize pass wrote long
+  // before (its K/V output has evicted them from L2): every 128-byte line of K scales cost
+  // the CTA a DRAM round trip inside its loop (ncu stall samples). Ask for all of them now,
+  // under the Q load. Measured (H100, same-run A/B, with SAGE_SM90_KSCALE_AHEAD=0): +2-4%
+  // kernel-only at d = 64 16K and at d = 128.
+  if constexpr (SAGE_SM90_L2_PREFETCH) {
+    const int64_t k_scale_bytes =
+        int64_t(KS == KScales::per_token ? p.n_pad : (p.n_pad / kBlockKV) * kKScalesPerTile) * 4;
+    const char* k_scale_head =
+        reinterpret_cast<const char*>(p.kv.k_scale) + kv_head * k_scale_bytes;
+    const int consumer_thread = threadIdx.x - 128;
+    for (int64_t line = consumer_thread; line * 128 < k_scale_bytes; line += 256)
+      prefetch_l2(k_scale_head + line * 128);
+    if (consumer_thread < D / 32) prefetch_l2(p.kv.v_scale + kv_head * D + 32 * consumer_thread);
+    else if (p.smooth_v && consumer_thread < D / 16)
+      prefetch_l2(p.kv.v_mean + kv_head * D + 32 * (consumer_thread - D / 32));
+  }
   QOperand<D> qop;
   const bool want_lse = p.lse != nullptr;
   qop.load(p, q_head, q_scale_head, p.kv.k_mean + kv_head * D, rows, min(kBlockQ, p.n_q - q0),
@@ -168,6 +205,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   const float* k_scale = KS == KScales::per_token
                              ? p.kv.k_scale + kv_head * p.n_pad
                              : p.kv.k_scale + kv_head * (p.n_pad / kBlockKV) * kKScalesPerTile;
+  // Per-tile K group scales loaded one tile ahead of their use (SAGE_SM90_KSCALE_AHEAD): read
+  // where needed, each tile's first score waited for the load (ncu stall samples, H100,
+  // d = 128, N = 1K). Not with Q smoothing, where the extra loop-carried register spilled
+  // (ptxas, d = 128): there make_scores loads its own.
+  constexpr bool kPrefetchKScale = SAGE_SM90_KSCALE_AHEAD && KS == KScales::per_tile && !SmoothQ;
+  auto load_k_scale = [&](int it) {
+    return kPrefetchKScale && it < n_tiles ? k_scale[it * kKScalesPerTile + t] : 0.f;
+  };
+  float ks_next = load_k_scale(0);
   int32_t sacc[kBlockKV / 2];            // S of the tile whose softmax runs next
   typename PV::Fragments pa;             // P of the tile whose PV MMA runs next
   typename PV::Accumulator pv_acc;       // that PV MMA's product
@@ -194,7 +240,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   // The tile's logits from its QK accumulator (per-token or per-tile K scales, Q smoothing's
   // bias), masked entries -inf.
-  auto make_scores = [&](int it, float (&sc)[kBlockKV / 2]) {
+  // ks_prefetched: this thread's per-tile K group scale when loaded ahead.
+  auto make_scores = [&](int it, float ks_prefetched, float (&sc)[kBlockKV / 2]) {
     if constexpr (KS == KScales::per_token) {
 #pragma unroll
       for (int j = 0; j < kBlockKV / 8; ++j) {
@@ -210,7 +257,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     } else {
-      const float ks_tile = k_scale[it * kKScalesPerTile + t];
+      const float ks_tile = kPrefetchKScale ? ks_prefetched : k_scale[it * kKScalesPerTile + t];
       const float mult[2] = {rules::score_multiplier(qop.scale[0], ks_tile, p.sm_scale_log2),
                              rules::score_multiplier(qop.scale[1], ks_tile, p.sm_scale_log2)};
 #pragma unroll
@@ -276,11 +323,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int stage = it % kStages;
       mbar_wait(&s.full[stage], (it / kStages) & 1);
       issue_qk(stage);
+      const float ks_tile = ks_next;
+      ks_next = load_k_scale(it + 1);
       if constexpr (SmoothQ) compute_key_bias(it, stage);
       wgmma_wait<0>();
       reg_fence(sacc);
       float sc[kBlockKV / 2], alpha[2], p_sum[2];
-      make_scores(it, sc);
+      make_scores(it, ks_tile, sc);
       softmax.update(sc, p.p_max, alpha, p_sum);
       pack_p(sc, alpha, p_sum);
       PV::issue(pv_acc, pa, s.v[stage]);
@@ -293,12 +342,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_wait(&s.full[0], 0);
     begin_turn();
     issue_qk(0);
+    const float ks_tile = ks_next;
+    ks_next = load_k_scale(1);
     if constexpr (SmoothQ) compute_key_bias(0, 0);
     end_turn(false);
     wgmma_wait<0>();
     reg_fence(sacc);
     float sc[kBlockKV / 2], p_sum[2];
-    make_scores(0, sc);
+    make_scores(0, ks_tile, sc);
     softmax.update(sc, p.p_max, alpha_pending, p_sum);
     pack_p(sc, alpha_pending, p_sum);
   }
@@ -307,6 +358,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_wait(&s.full[stage], (it / kStages) & 1);
     begin_turn();
     issue_qk(stage);  // commit group: S of tile it
+    const float ks_tile = ks_next;
+    ks_next = load_k_scale(it + 1);
     // Before the PV MMA owns its registers: with both in flight the bias spilled (ptxas).
     if constexpr (SmoothQ) compute_key_bias(it, stage);
     PV::issue(pv_acc, pa, s.v[prev]);  // commit group: P V of tile it - 1
@@ -314,7 +367,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_wait<1>();  // S is ready; the PV MMA may still run
     reg_fence(sacc);
     float sc[kBlockKV / 2], alpha[2], p_sum[2];
-    make_scores(it, sc);
+    make_scores(it, ks_tile, sc);
     softmax.update(sc, p.p_max, alpha, p_sum);
     wgmma_wait<0>();
     PV::fold(o, pv_acc, pa, alpha_pending);
@@ -332,25 +385,35 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ---- epilogue: normalize, undo the V scale, add back the V mean, store -----------------
-  float l[2];
+  // The channel scales and means are loaded into registers before the first store: loaded
+  // where used, every load waited behind the stores before it (they may alias), and with one
+  // IEEE division per element the epilogue took 27% of the stall samples at N = 1K (ncu,
+  // H100, d = 128). One reciprocal per row instead (docs/numerics.md, GPU vs simulator).
+  float l[2], inv_l[2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) l[r] = frag::quad_sum(softmax.l[r]);
+  for (int r = 0; r < 2; ++r) {
+    l[r] = frag::quad_sum(softmax.l[r]);
+    inv_l[r] = l[r] > 0.f ? __frcp_rn(l[r]) : 0.f;
+  }
   T* out_head = static_cast<T*>(p.out) + b * p.o_stride_b + h * p.o_stride_h;
   const float* v_scale = p.kv.v_scale + kv_head * D;
   const float* v_mean = p.kv.v_mean + kv_head * D;
+  float2 vs[D / 8], vm[D / 8];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    vs[j] = *reinterpret_cast<const float2*>(v_scale + 8 * j + 2 * t);
+    vm[j] = p.smooth_v ? *reinterpret_cast<const float2*>(v_mean + 8 * j + 2 * t) : make_float2(0.f, 0.f);
+  }
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) {
     const int c = 8 * j + 2 * t;
-    // l sums P~ * p_max: its p_max cancels the one of P's codes.
-    const float vs0 = v_scale[c], vs1 = v_scale[c + 1];
-    const float vm0 = p.smooth_v ? v_mean[c] : 0.f, vm1 = p.smooth_v ? v_mean[c + 1] : 0.f;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if (rows[r] >= p.n_q) continue;
       float y0 = 0.f, y1 = 0.f;
-      if (l[r] > 0.f) {
-        y0 = (o[4 * j + 2 * r] * vs0) / l[r] + vm0;
-        y1 = (o[4 * j + 2 * r + 1] * vs1) / l[r] + vm1;
+      if (l[r] > 0.f) {  // l sums P~ * p_max: its p_max cancels the one of P's codes
+        y0 = (o[4 * j + 2 * r] * vs[j].x) * inv_l[r] + vm[j].x;
+        y1 = (o[4 * j + 2 * r + 1] * vs[j].y) * inv_l[r] + vm[j].y;
       }
       gpu::store2(out_head + (int64_t)rows[r] * p.o_stride_n + c, y0, y1);
     }

@@ -16,7 +16,7 @@ endforeach()
 string(REPLACE ";" ", " _dims_list "${SAGE_HEAD_DIMS}")
 
 # path:kscales:smooth_q, in the names of sm90::PVPath and sm90::KScales, and 0/1.
-set(_variants
+set(_all_variants
   e4m3_two_level:per_tile:0  # sage2_8b, sage2_8b_vsmooth
   e4m3_two_level:per_tile:1  # sage2_4b
   e4m3_fp16x2:per_tile:0     # sage2pp_8b
@@ -25,6 +25,20 @@ set(_variants
   fp16:per_tile:0            # sage1_b
   int8:per_token:0           # sage1_vt, int_flash, int_flash_q
   int8:per_tile:0)           # sage1_vb
+# A subset for quick experiment builds (gpu_run.sh knobs: sage2_8b only); a recipe whose
+# variant is left out is refused by name at run time.
+set(SAGE_KERNEL_VARIANTS "all" CACHE STRING
+    "Kernel variants to instantiate (all, or a ;-list of path:kscales:smooth_q)")
+if(SAGE_KERNEL_VARIANTS STREQUAL "all")
+  set(_variants ${_all_variants})
+else()
+  set(_variants ${SAGE_KERNEL_VARIANTS})
+  foreach(v ${_variants})
+    if(NOT v IN_LIST _all_variants)
+      message(FATAL_ERROR "SAGE_KERNEL_VARIANTS: ${v} is not one of ${_all_variants}")
+    endif()
+  endforeach()
+endif()
 set(_variants_macro "")
 foreach(v ${_variants})
   string(REPLACE ":" ";" _triple "${v}")

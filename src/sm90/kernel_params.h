@@ -14,8 +14,6 @@ constexpr int kBlockKV = 128;
 constexpr int kBlockQ = 128;
 // Per-thread K scale groups per tile (tile.h); other granularities store one per tile.
 constexpr int kKScalesPerTile = 4;
-// Tokens per partial-statistics chunk of the K/V pre-pass.
-constexpr int kStatsChunk = 256;
 // The P V operand policies (pv_operand.cuh): which formats P and V take and how their
 // products accumulate. One kernel instantiation per path.
 enum class PVPath : int {
@@ -31,9 +29,6 @@ constexpr int v_bytes(PVPath path) { return path == PVPath::fp16 ? 2 : 1; }
 // per_tensor, kKScalesPerTile slots) or one per token (per_token, prequantized inputs).
 enum class KScales : int { per_tile, per_token };
 
-// Statistics kept per (batch, kv head, chunk, channel).
-enum Stat : int { kSumK = 0, kMaxK, kMinK, kSumV, kMaxV, kMinV, kNumStats };
-
 // What the pre-pass writes and the attention kernel reads, per (batch, kv head).
 struct QuantizedKV {
   int8_t* k;         // [B, Hkv, n_pad, D] int8 (or int4 values), smoothed, row-major
@@ -44,7 +39,9 @@ struct QuantizedKV {
   float* k_mean;     // [B, Hkv, D]  (zeros when K is not smoothed)
   float* v_scale;    // [B, Hkv, D]  max|V'_c| / v_max (1 for fp16 V)
   float* v_mean;     // [B, Hkv, D]  (zeros when V is not smoothed)
-  float* partials;   // [kNumStats, B, Hkv, chunks, D]
+  // Written by the statistics pass for the quantize pass only:
+  float* v_inv;      // [B, Hkv, D]  v_max / max|V'_c| (the multiplier before encoding)
+  float* k_amax;     // [B, Hkv]     max over channels of max|K'_c| (per-tensor K scales)
 };
 
 struct KVQuantParams {
@@ -52,7 +49,7 @@ struct KVQuantParams {
   const void* v;
   int64_t k_stride_b, k_stride_h, k_stride_n;
   int64_t v_stride_b, v_stride_h, v_stride_n;
-  int batch, heads_kv, n_kv, n_pad, chunks;
+  int batch, heads_kv, n_kv, n_pad;
   Granularity k_granularity;
   int k_max;  // the largest K code: 127 (int8) or 7 (int4 values)
   bool smooth_k, smooth_v;

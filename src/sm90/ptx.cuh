@@ -70,6 +70,11 @@ __device__ __forceinline__ void fence_proxy_async() {
 
 // ---- TMA -----------------------------------------------------------------------------------
 
+// Brings a global line into L2 without waiting for it or holding a register.
+__device__ __forceinline__ void prefetch_l2(const void* ptr) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr));
+}
+
 __device__ __forceinline__ void prefetch_tma_descriptor(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }

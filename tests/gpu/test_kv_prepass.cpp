@@ -25,7 +25,7 @@ TEST(KVPrepass, MatchesCpuQuantization) {
   SAGE_REQUIRE_GPU();
 #ifdef SAGE_WITH_CUDA
   constexpr int D = 128;
-  const int n = 300, n_pad = 384, tiles = n_pad / sm90::kBlockKV, chunks = 2;
+  const int n = 300, n_pad = 384, tiles = n_pad / sm90::kBlockKV;
   reference::SyntheticShape shape;
   shape.n_q = shape.n_kv = n, shape.head_dim = D;
   const reference::SyntheticInputs in = reference::make_synthetic("k_bias", shape, 3);
@@ -45,7 +45,7 @@ TEST(KVPrepass, MatchesCpuQuantization) {
   p.k_stride_b = p.v_stride_b = int64_t(n) * D;
   p.k_stride_h = p.v_stride_h = int64_t(n) * D;
   p.k_stride_n = p.v_stride_n = D;
-  p.batch = 1, p.heads_kv = 1, p.n_kv = n, p.n_pad = n_pad, p.chunks = chunks;
+  p.batch = 1, p.heads_kv = 1, p.n_kv = n, p.n_pad = n_pad;
   p.k_granularity = Granularity::per_thread;
   p.k_max = 127, p.pv_path = sm90::PVPath::e4m3_two_level;
   p.smooth_k = true, p.smooth_v = false, p.v_max = 448.f;
@@ -55,18 +55,22 @@ TEST(KVPrepass, MatchesCpuQuantization) {
   p.out.k_mean = static_cast<float*>(dev(D * 4));
   p.out.v_scale = static_cast<float*>(dev(D * 4));
   p.out.v_mean = static_cast<float*>(dev(D * 4));
-  p.out.partials = static_cast<float*>(dev(sm90::kNumStats * chunks * D * 4));
+  p.out.v_inv = static_cast<float*>(dev(D * 4));
+  p.out.k_amax = static_cast<float*>(dev(4));
   quant::launch_kv_prepass<D, __half>(p, nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
   std::vector<int8_t> k_codes(n_pad * D);
   std::vector<uint8_t> vt(n_pad * D);
-  std::vector<float> k_scale(tiles * 4), k_mean(D), v_scale(D);
+  std::vector<float> k_scale(tiles * 4), k_mean(D), v_scale(D), v_inv(D);
+  float k_amax = -1.f;
   cudaMemcpy(k_codes.data(), p.out.k, k_codes.size(), cudaMemcpyDeviceToHost);
   cudaMemcpy(vt.data(), p.out.vt, vt.size(), cudaMemcpyDeviceToHost);
   cudaMemcpy(k_scale.data(), p.out.k_scale, k_scale.size() * 4, cudaMemcpyDeviceToHost);
   cudaMemcpy(k_mean.data(), p.out.k_mean, D * 4, cudaMemcpyDeviceToHost);
   cudaMemcpy(v_scale.data(), p.out.v_scale, D * 4, cudaMemcpyDeviceToHost);
+  cudaMemcpy(v_inv.data(), p.out.v_inv, D * 4, cudaMemcpyDeviceToHost);
+  cudaMemcpy(&k_amax, p.out.k_amax, 4, cudaMemcpyDeviceToHost);
 
   // CPU recomputation.
   std::vector<float> k(n * D), v(n * D);
@@ -78,7 +82,13 @@ TEST(KVPrepass, MatchesCpuQuantization) {
     km[c] = float(s / n);
     EXPECT_NEAR(k_mean[c], km[c], 1e-5 * (1 + std::fabs(km[c]))) << "channel " << c;
     EXPECT_EQ(v_scale[c], rules::symmetric_scale(vmax[c], 448.f)) << "channel " << c;
+    EXPECT_EQ(v_inv[c], rules::symmetric_inverse(vmax[c], 448.f)) << "channel " << c;
   }
+  // The per-tensor K amax about the GPU's own mean: exact (rounding is monotonic).
+  float want_k_amax = 0.f;
+  for (int t = 0; t < n; ++t)
+    for (int c = 0; c < D; ++c) want_k_amax = std::fmax(want_k_amax, std::fabs(k[t * D + c] - k_mean[c]));
+  EXPECT_EQ(k_amax, want_k_amax);
   int64_t k_mismatch = 0, v_mismatch = 0, scale_mismatch = 0;
   for (int tile = 0; tile < tiles; ++tile) {
     float amax[4] = {0, 0, 0, 0};
