@@ -44,15 +44,15 @@ namespace sage::sm90 {
 #define SAGE_SM90_PRODUCER_SLEEP 0
 #endif
 #ifndef SAGE_SM90_KSCALE_AHEAD
-// 1 (default, GPU-tested): a per-tile K group scale is loaded into a register one tile before
-// its use; 0: where it is used, as in v8. With SAGE_SM90_L2_PREFETCH=1, 0 measured faster
-// (docs/performance.md, v9 knobs): the next session tests it and flips both defaults.
-#define SAGE_SM90_KSCALE_AHEAD 1
+// 1: a per-tile K group scale is loaded into a register one tile before its use; 0
+// (default): where it is used, with the head's scales prefetched into L2 (next knob). Measured
+// (H100, same-run A/B, docs/performance.md v9 knobs): 0 with the prefetch is faster at every
+// point (d = 128 16K: 745 vs 734 TOPS kernel-only).
+#define SAGE_SM90_KSCALE_AHEAD 0
 #endif
 #ifndef SAGE_SM90_L2_PREFETCH
-// 1: the head's K scales and V scales/means are prefetched into L2 in the prologue
-// (measured faster, not yet run through the GPU tests; 0 is the tested default).
-#define SAGE_SM90_L2_PREFETCH 0
+// 1 (default): the head's K scales and V scales/means are prefetched into L2 in the prologue.
+#define SAGE_SM90_L2_PREFETCH 1
 #endif
 #ifndef SAGE_SM90_PINGPONG
 #define SAGE_SM90_PINGPONG 0  // off: measured slower (H200, d = 128, N = 16K: 686 vs 738 TOPS)
