@@ -39,6 +39,25 @@ SAGE_HD float score_multiplier(float q_scale, float k_scale, float sm_scale_log2
 }
 SAGE_HD float sm_scale_log2(float sm_scale) { return sm_scale * kLog2e; }
 
+// "Integer row max" (docs/numerics.md, steps 4 and 6): the recipes whose softmax takes the
+// row max on the int32 QK accumulators and forms the exponent argument with one FMA from a
+// biased integer, so that the kernel converts no score from int to float (a quarter-rate
+// conversion, like the ex2 beside it). It needs integer Q/K codes and, within one KV tile,
+// one multiplier for all keys a GPU thread holds (per_thread / per_warp / per_block /
+// per_tensor K, a Q scale per row); Q smoothing's float bias dS and per-token K scales would
+// give every key its own offset or multiplier, and prequantized inputs (codes down to -128,
+// per-token scales) keep the per-score conversion.
+inline bool integer_row_max(const Recipe& r) {
+  return (r.qk_format == QKFormat::int8 || r.qk_format == QKFormat::int4) &&
+         r.inputs != Inputs::prequantized_int8 && r.qk_granularity != Granularity::per_token &&
+         !r.smooth_q;
+}
+// The bias of the integer row max path: the exponent's FMA takes float(kIntRowMaxBias +
+// (acc - amax)), an integer in [2^23, 2^24] for head_dim <= 256 (|acc - amax| <= 2 d 127^2 <
+// 2^23), so the float is exact and its bit pattern is that integer plus 0x4A800000 (one
+// integer add on the GPU, no conversion).
+constexpr int32_t kIntRowMaxBias = int32_t{1} << 24;
+
 // The largest value of a P/V format: what a static scale maps a maximum to.
 inline float pv_format_max(PVFormat f) {
   switch (f) {

@@ -1,6 +1,12 @@
 #include "reference/online_softmax.h"
 
+#include <algorithm>
+#include <cassert>
 #include <cmath>
+#include <limits>
+
+#include "sage/quant_rules.h"
+#include "sage/tile.h"
 
 namespace sage::reference::sim {
 
@@ -11,6 +17,59 @@ float softmax_enter_tile(RowState& st, const float* s2, int64_t count, float* p)
   // keeps -inf - -inf (NaN) out when a row's logits are all -inf.
   const float alpha = st.seen ? std::exp2(st.m - m_new) : 0.f;
   for (int64_t j = 0; j < count; ++j) p[j] = std::exp2(s2[j] - m_new);
+  st.m = m_new;
+  st.seen = true;
+  return alpha;
+}
+
+float softmax_enter_tile_integer_max(RowState& st, const int32_t* acc, const float* mult,
+                                     int64_t count, float* p) {
+  // Numbered as docs/numerics.md, step 6, "Integer row max".
+  // 1. The integer max of each thread group (a GPU thread's own columns, nothing wider: the
+  // groups' multipliers differ, so they meet only as floats, in 2).
+  int32_t amax[kKThreadGroups] = {};
+  float gmult[kKThreadGroups] = {};
+  bool present[kKThreadGroups] = {};
+  for (int64_t j = 0; j < count; ++j) {
+    const int g = static_cast<int>((j % 8) / 2);
+    if (!present[g]) {
+      present[g] = true;
+      amax[g] = acc[j];
+      gmult[g] = mult[j];
+    } else {
+      amax[g] = std::max(amax[g], acc[j]);
+      assert(mult[j] == gmult[g] && "the keys of one thread group share one multiplier");
+    }
+  }
+  // 1-2. The group max in the logit domain, then the row max. Rounding is monotone and
+  // mult >= 0, so max_g tmax_g is the tile's largest S2 = float(acc) * mult: m is
+  // softmax_enter_tile's.
+  float tmax[kKThreadGroups];
+  float m_new = st.m;
+  for (int g = 0; g < kKThreadGroups; ++g) {
+    tmax[g] = present[g] ? static_cast<float>(amax[g]) * gmult[g]
+                         : -std::numeric_limits<float>::infinity();
+    m_new = std::fmax(m_new, tmax[g]);
+  }
+  const float alpha = st.seen ? std::exp2(st.m - m_new) : 0.f;  // as softmax_enter_tile
+  // 3. The group's offset, two float subtractions (not fused): c = -2^24 mult exactly for
+  // a group whose max is the row max; otherwise the rounding of c costs at most
+  // 2^-24 |c| <= mult + 2^-24 |tmax - m| (docs/numerics.md).
+  float c[kKThreadGroups] = {};
+  for (int g = 0; g < kKThreadGroups; ++g) {
+    if (!present[g]) continue;
+    const float t = std::ldexp(gmult[g], 24);  // 2^24 * mult: exact
+    const float gap = tmax[g] - m_new;
+    c[g] = gap - t;
+  }
+  // 4-5. The biased integer is exact as a float ([2^23, 2^24] for d <= 256), and one
+  // fused multiply-add rounds once: x = (acc - amax) * mult + (tmax - m), up to c's rounding.
+  for (int64_t j = 0; j < count; ++j) {
+    const int g = static_cast<int>((j % 8) / 2);
+    assert(acc[j] - amax[g] >= -rules::kIntRowMaxBias);
+    const float f = static_cast<float>(rules::kIntRowMaxBias + (acc[j] - amax[g]));
+    p[j] = std::exp2(std::fma(f, gmult[g], c[g]));
+  }
   st.m = m_new;
   st.seen = true;
   return alpha;

@@ -20,6 +20,17 @@ struct RowState {
 // Call only with count > 0: a tile with nothing unmasked for a row is skipped entirely.
 float softmax_enter_tile(RowState& st, const float* s2, int64_t count, float* p);
 
+// The integer row max variant of softmax_enter_tile (rules::integer_row_max; docs/numerics.md,
+// step 6), from the tile's int32 accumulators acc and multipliers mult (qk_int_accumulators)
+// of its `count` visible keys. The tile must start at a multiple of 8 tokens (KV tiles do):
+// key j of the tile belongs to the GPU thread group g = (j % 8) / 2, whose keys share one
+// multiplier mult_g. Per group: amax_g = max acc, tmax_g = float(amax_g) * mult_g;
+// m_new = fmaxf(m, max_g tmax_g) (the value softmax_enter_tile gets from S2 = float(acc) *
+// mult); c_g = ((tmax_g - m_new) - 2^24 mult_g); P~_j = exp2f(fmaf(float(2^24 + acc_j -
+// amax_g), mult_g, c_g)). Returns alpha as softmax_enter_tile does. Call only with count > 0.
+float softmax_enter_tile_integer_max(RowState& st, const int32_t* acc, const float* mult,
+                                     int64_t count, float* p);
+
 // l = l * alpha + row_sum, with row_sum the float sum of P~ (or of the quantized P).
 void softmax_add_row_sum(RowState& st, float alpha, float row_sum);
 

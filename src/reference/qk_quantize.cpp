@@ -1,6 +1,7 @@
 #include "reference/qk_quantize.h"
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 
 #include "sage/formats.h"
@@ -176,6 +177,18 @@ void qk_logits(const QKOperand& q, int64_t i, const QKOperand& k, int64_t j0, in
         s2[j] = static_cast<float>(dot_double(qi, k.values.data() + (j0 + j) * d, d)) * sm_scale_log2;
       break;
     }
+  }
+}
+
+void qk_int_accumulators(const QKOperand& q, int64_t i, const QKOperand& k, int64_t j0,
+                         int64_t count, float sm_scale_log2, int32_t* acc, float* mult) {
+  assert(q.format == QKFormat::int8 || q.format == QKFormat::int4);
+  const int64_t d = q.d;
+  const int8_t* qi = q.codes.data() + i * d;
+  const float qs = q.scale[i];
+  for (int64_t j = 0; j < count; ++j) {
+    acc[j] = dot_int(qi, k.codes.data() + (j0 + j) * d, d);
+    mult[j] = rules::score_multiplier(qs, k.scale[j0 + j], sm_scale_log2);
   }
 }
 

@@ -39,6 +39,14 @@ QKOperand prequantized_qk(const float* codes, const double* token_scale, int64_t
 void qk_logits(const QKOperand& q, int64_t i, const QKOperand& k, int64_t j0, int64_t count,
                float sm_scale_log2, float* s2);
 
+// The integer row max path (rules::integer_row_max; docs/numerics.md, steps 4 and 6), int8 /
+// int4 only: the exact int32 accumulators acc[j - j0] = qcode_i . kcode_j of query row i
+// against keys [j0, j0 + count) and their multipliers mult[j - j0] =
+// rules::score_multiplier(q_scale_i, k_scale_j, sm_scale_log2). No logit is formed here:
+// qk_logits' S2 would be float(acc) * mult; softmax_enter_tile_integer_max takes these instead.
+void qk_int_accumulators(const QKOperand& q, int64_t i, const QKOperand& k, int64_t j0,
+                         int64_t count, float sm_scale_log2, int32_t* acc, float* mult);
+
 // The Q-smoothing compensation dS for every key, given the mean qm of one Q tile:
 // (k_scale_j * sum_c qm[c] * kcode_j[c]) * sm_scale_log2, the sum in float in channel order.
 // Defined for int8 / int4 K only (validate_recipe rejects smooth_q otherwise).

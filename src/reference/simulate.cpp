@@ -1,7 +1,9 @@
 // The recipe simulator's driver: runs the stages in the kernel's order for every
 // (batch, head). The numerics contract it implements is docs/numerics.md.
 #include <algorithm>
+#include <cassert>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -119,6 +121,12 @@ void simulate(const AttentionArgs& args) {
     }
 
     std::vector<float> s2(static_cast<size_t>(tc.block_kv)), pt(static_cast<size_t>(tc.block_kv));
+    // Integer row max recipes (docs/numerics.md, steps 4 and 6) keep the accumulators and the
+    // multipliers instead of the logits.
+    const bool int_max = rules::integer_row_max(r);
+    assert(tc.block_kv % 8 == 0);  // tiles start on a thread-group boundary (tile.h)
+    std::vector<int32_t> acc(int_max ? static_cast<size_t>(tc.block_kv) : 0);
+    std::vector<float> mult(int_max ? static_cast<size_t>(tc.block_kv) : 0);
     std::vector<float> O(static_cast<size_t>(d));
     std::vector<float> ds;  // smooth_q: the logit bias of the current Q tile, per key
     int64_t ds_tile = -1;
@@ -137,10 +145,16 @@ void simulate(const AttentionArgs& args) {
       std::fill(O.begin(), O.end(), 0.f);
       for (int64_t j0 = 0; j0 < visible; j0 += tc.block_kv) {
         const int64_t count = std::min<int64_t>(tc.block_kv, visible - j0);
-        sim::qk_logits(qop, i, kvh.k, j0, count, sl2, s2.data());
-        if (r.smooth_q)
-          for (int64_t j = 0; j < count; ++j) s2[j] += ds[j0 + j];
-        const float alpha = sim::softmax_enter_tile(st, s2.data(), count, pt.data());
+        float alpha;
+        if (int_max) {  // no smooth_q here: the rule excludes it
+          sim::qk_int_accumulators(qop, i, kvh.k, j0, count, sl2, acc.data(), mult.data());
+          alpha = sim::softmax_enter_tile_integer_max(st, acc.data(), mult.data(), count, pt.data());
+        } else {
+          sim::qk_logits(qop, i, kvh.k, j0, count, sl2, s2.data());
+          if (r.smooth_q)
+            for (int64_t j = 0; j < count; ++j) s2[j] += ds[j0 + j];
+          alpha = sim::softmax_enter_tile(st, s2.data(), count, pt.data());
+        }
         sim::quantize_p(r, pt.data(), count, ptile);
         const float row_sum = r.row_sum == RowSum::float_p ? sim::softmax_row_sum(pt.data(), count)
                                                            : ptile.dequantized_sum;
