@@ -81,7 +81,7 @@ if has ab; then
       bin=$BUILD/cli/sage; [ $side = old ] && bin=build-ab-old/cli/sage
       echo "-- $side (round $round)"
       timeout 120 $bin bench --recipe ${AB_RECIPE:-sage2_8b} --d 64,128 --n ${AB_N:-1024,4096,16384} \
-        --causal ${AB_CAUSAL:-no} --iters 20 2>&1 | grep -vE "^ *$|^TOPS" | tail -7
+        --causal ${AB_CAUSAL:-no} --iters 20 ${AB_SPLIT:+--split} 2>&1 | grep -vE "^ *$|^TOPS" | tail -7
     done
   done
 fi

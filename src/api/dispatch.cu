@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 
 #include "quant/kv_prepass.cuh"
@@ -77,6 +78,13 @@ std::string gpu_variant(const Recipe& r, KernelVariant& v) {
   if (!built)
     return "a combination of PV path, K scale layout and Q smoothing that has a kernel (see "
            "src/sm90/instantiate.cmake)";
+  // The kernel takes the integer row max exactly for per-tile K scales without Q smoothing
+  // (attention_kernel.cuh, kIntegerMax); the simulator, for the recipes of this rule. They
+  // must be the same set, or the GPU would not compute what the simulator does.
+  const bool kernel_integer_max = v.k_scales == sm90::KScales::per_tile && !v.smooth_q;
+  if (kernel_integer_max != rules::integer_row_max(r))
+    throw std::logic_error("sage: internal error: the sm_90 kernel's row max path for recipe '" +
+                           r.name + "' disagrees with rules::integer_row_max");
   return {};
 }
 

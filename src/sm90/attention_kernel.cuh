@@ -238,6 +238,26 @@ __global__ void __launch_bounds__(kThreads, 1)
         smooth_q_key_bias<D>(s.k[stage], j, s.q_mean[cw], kj_scale, p.sm_scale_log2);
     named_barrier_sync(4 + cw, 128);
   };
+  // Whether any entry of tile it may be masked for this warpgroup's rows, and which.
+  auto tile_needs_mask = [&](int it) {
+    const int kv0 = it * kBlockKV;
+    return kv0 + kBlockKV > p.n_kv || (p.causal && kv0 + kBlockKV - 1 > wg_row0 + causal_offset);
+  };
+  // Entry i of tile it is masked iff its column offset from this thread's first column,
+  // 8 (i / 4) + i % 2 (a constant once unrolled), reaches the row's limit: one compare per
+  // entry against two registers. (Column and row tests per entry made the INT32 mask pass of
+  // the integer row max spill, ptxas, d = 128.)
+  auto mask_limits = [&](int it, int (&limit)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int first_masked = p.causal ? min(p.n_kv, rows[r] + causal_offset + 1) : p.n_kv;
+      limit[r] = first_masked - (it * kBlockKV + 2 * t);
+    }
+  };
+  auto is_masked = [](const int (&limit)[2], int i) {
+    return 8 * (i / 4) + i % 2 >= limit[frag::acc_row(i)];
+  };
+  constexpr bool kIntegerMax = KS == KScales::per_tile && !SmoothQ;
   // The tile's logits from its QK accumulator (per-token or per-tile K scales, Q smoothing's
   // bias), masked entries -inf.
   // ks_prefetched: this thread's per-tile K group scale when loaded ahead.
@@ -268,16 +288,35 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i = 0; i < kBlockKV / 2; ++i) sc[i] = __fadd_rn(sc[i], bias[frag::acc_col(i, t)]);
     }
-    const int kv0 = it * kBlockKV;
-    const bool needs_mask =
-        kv0 + kBlockKV > p.n_kv || (p.causal && kv0 + kBlockKV - 1 > wg_row0 + causal_offset);
-    if (needs_mask) {
+    if (tile_needs_mask(it)) {
+      int limit[2];
+      mask_limits(it, limit);
 #pragma unroll
-      for (int i = 0; i < kBlockKV / 2; ++i) {
-        const int col = kv0 + frag::acc_col(i, t);
-        const int row = rows[frag::acc_row(i)];
-        if (col >= p.n_kv || (p.causal && col > row + causal_offset)) sc[i] = -INFINITY;
+      for (int i = 0; i < kBlockKV / 2; ++i)
+        if (is_masked(limit, i)) sc[i] = -INFINITY;
+    }
+  };
+  // The tile's P~ * p_max (in sc), the rescale of earlier output and the row sums, from its
+  // QK accumulator. Recipes with per-tile K scales and no Q smoothing skip the float logits:
+  // the integer row max (softmax.cuh, update_from_int; the simulator follows
+  // rules::integer_row_max, which dispatch checks against this choice).
+  auto tile_to_p = [&](int it, float ks_prefetched, float (&sc)[kBlockKV / 2], float (&alpha)[2],
+                       float (&p_sum)[2]) {
+    if constexpr (kIntegerMax) {
+      const float ks_tile = kPrefetchKScale ? ks_prefetched : k_scale[it * kKScalesPerTile + t];
+      const float mult = rules::score_multiplier(qop.scale[0], ks_tile, p.sm_scale_log2);
+      const bool masked = tile_needs_mask(it);
+      if (masked) {
+        int limit[2];
+        mask_limits(it, limit);
+#pragma unroll
+        for (int i = 0; i < kBlockKV / 2; ++i)
+          if (is_masked(limit, i)) sacc[i] = INT32_MIN;
       }
+      softmax.update_from_int(sacc, mult, masked, p.p_max, sc, alpha, p_sum);
+    } else {
+      make_scores(it, ks_prefetched, sc);
+      softmax.update(sc, p.p_max, alpha, p_sum);
     }
   };
   // P of the tile into the PV operand, and the tile's row sums into the softmax state.
@@ -329,8 +368,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_wait<0>();
       reg_fence(sacc);
       float sc[kBlockKV / 2], alpha[2], p_sum[2];
-      make_scores(it, ks_tile, sc);
-      softmax.update(sc, p.p_max, alpha, p_sum);
+      tile_to_p(it, ks_tile, sc, alpha, p_sum);
       pack_p(sc, alpha, p_sum);
       PV::issue(pv_acc, pa, s.v[stage]);
       wgmma_wait<0>();
@@ -349,8 +387,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_wait<0>();
     reg_fence(sacc);
     float sc[kBlockKV / 2], p_sum[2];
-    make_scores(0, ks_tile, sc);
-    softmax.update(sc, p.p_max, alpha_pending, p_sum);
+    tile_to_p(0, ks_tile, sc, alpha_pending, p_sum);
     pack_p(sc, alpha_pending, p_sum);
   }
   for (int it = 1; kOverlapPV && it < n_tiles; ++it) {
@@ -367,8 +404,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_wait<1>();  // S is ready; the PV MMA may still run
     reg_fence(sacc);
     float sc[kBlockKV / 2], alpha[2], p_sum[2];
-    make_scores(it, ks_tile, sc);
-    softmax.update(sc, p.p_max, alpha, p_sum);
+    tile_to_p(it, ks_tile, sc, alpha, p_sum);
     wgmma_wait<0>();
     PV::fold(o, pv_acc, pa, alpha_pending);
     if (lane == 0) mbar_arrive(&s.empty[prev]);  // tile it - 1's K and V are read

@@ -10,6 +10,7 @@
 
 #include <cmath>
 
+#include "sage/quant_rules.h"
 #include "sm90/fragment.cuh"
 #include "sm90/ptx.cuh"
 
@@ -69,6 +70,74 @@ struct OnlineSoftmax {
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) sum[r] = (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
+  }
+
+  // The integer row max (docs/numerics.md steps 4 and 6, recipes with per-tile K scales and
+  // no Q smoothing): the same P~ from the tile's INT32 accumulators without converting each
+  // one to float. All of a thread's columns lie in one K group, so its multiplier is one per
+  // row and the order of the accumulators is the order of the logits: the thread's max is
+  // taken on integers, converted once, and each exponent argument is one FFMA of a biased
+  // integer reinterpreted as float, f = 2^24 + (acc - amax) (exact, rules::kIntRowMaxBias):
+  //     x = f * mult + c,  c = (tmax - m) - 2^24 * mult.
+  // Why: the softmax is most of a consumer warp's issue slots; per score this is IMNMX, IADD,
+  // FFMA where the logit path spends FMNMX, I2F, FMUL, FADD (and the max and the add run on
+  // the integer pipe, which the float softmax leaves idle).
+  // acc: masked entries INT32_MIN (masked_tile says whether any may be). mult: this thread's
+  // multiplier (> 0), one for both rows: rows g and g + 8 share a Q group under every
+  // granularity that comes with per-tile K scales (tile.h). p: P~ * p_max. alpha, sum: as
+  // update's.
+  __device__ __forceinline__ void update_from_int(const int32_t (&acc)[kAcc], float mult,
+                                                  bool masked_tile, float p_max, float (&p)[kAcc],
+                                                  float (&alpha)[2], float (&sum)[2]) {
+    int32_t part[2][kChains];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int c = 0; c < kChains; ++c) part[r][c] = INT32_MIN;
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) {
+      int32_t& x = part[frag::acc_row(i)][chain_of(i)];
+      x = max(x, acc[i]);
+    }
+    uint32_t bias[2];
+    float c[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int32_t amax = max(max(part[r][0], part[r][1]), max(part[r][2], part[r][3]));
+      // A thread whose columns of this row are all masked: tmax = c = -inf, so x = -inf.
+      const float tmax = amax == INT32_MIN ? -INFINITY : __fmul_rn(__int2float_rn(amax), mult);
+      const float m_new = fmaxf(m[r], frag::quad_max(tmax));
+      const float base = m_new == -INFINITY ? 0.f : m_new;  // as in update
+      alpha[r] = fast_exp2(m[r] - base);
+      m[r] = m_new;
+      c[r] = __fsub_rn(__fsub_rn(tmax, base), __fmul_rn(mult, 16777216.f));  // 2^24 mult: exact
+      // The bits of float(n) for an integer n in [2^23, 2^24] are n + 0x4A800000.
+      bias[r] = uint32_t(rules::kIntRowMaxBias) + 0x4A800000u - uint32_t(amax);
+    }
+    float psum[2][kChains];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int k = 0; k < kChains; ++k) psum[r][k] = 0.f;
+    auto exponent = [&](int i) {
+      const int r = frag::acc_row(i);
+      return __fmaf_rn(__uint_as_float(uint32_t(acc[i]) + bias[r]), mult, c[r]);
+    };
+    if (masked_tile) {
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) p[i] = acc[i] == INT32_MIN ? -INFINITY : exponent(i);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) p[i] = exponent(i);
+    }
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) {
+      p[i] = __fmul_rn(fast_exp2(p[i]), p_max);
+      psum[frag::acc_row(i)][chain_of(i)] += p[i];
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      sum[r] = (psum[r][0] + psum[r][1]) + (psum[r][2] + psum[r][3]);
   }
 
   __device__ __forceinline__ void add_row_sum(const float (&alpha)[2], const float (&sum)[2]) {
