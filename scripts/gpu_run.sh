@@ -72,7 +72,8 @@ if has ab; then
   # twice in one run so that clock drift hits both alike.
   log "A/B against ab_old/"
   # AB_OLD_CUDA_FLAGS: build knobs for the old side (e.g. -DSAGE_SM90_PINGPONG=0 on a copy of
-  # this tree, to measure one knob).
+  # this tree, to measure one knob). AB_SPLIT=1 adds `--split` (pre-pass and kernel timed
+  # alone); AB_N, AB_CAUSAL, AB_RECIPE pick the grid.
   cmake -S ab_old -B build-ab-old -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAGE_BUILD_TESTS=OFF \
     -DCMAKE_CUDA_FLAGS="${AB_OLD_CUDA_FLAGS:-}" > "$OUT/ab_build.log" 2>&1 && ninja -C build-ab-old -j16 sage_cli >> "$OUT/ab_build.log" 2>&1 ||
     { tail -20 "$OUT/ab_build.log"; exit 1; }
