@@ -103,13 +103,21 @@ def _layout_dims(t: torch.Tensor, layout: str, name: str) -> Tuple[Any, Any, Any
                          f"'NHD' ([batch, tokens, heads, head_dim]) (got {layout!r})")
 
 
+# The raw cudaStream_t of torch's current stream on a device, as an int. torch's private
+# accessor skips building a torch.cuda.Stream object: 7 us of host time per call on the H100
+# machine (measured, docs/performance.md), where a whole sageattn call spent ~70-150 us on the
+# host against ~16-42 us for torch SDPA.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 @contextlib.contextmanager
 def _on_device(device: torch.device) -> Iterator[int]:
     """Makes `device` current while the library launches (it launches on the current device)
     and yields the raw cudaStream_t of torch's current stream there."""
-    switch = _device_index(device) != torch.cuda.current_device()
+    index = _device_index(device)
+    switch = index != torch.cuda.current_device()
     with torch.cuda.device(device) if switch else contextlib.nullcontext():
-        yield torch.cuda.current_stream(device).cuda_stream
+        yield _raw_stream(index) if _raw_stream else torch.cuda.current_stream(device).cuda_stream
 
 
 def _allocate(device: torch.device):
