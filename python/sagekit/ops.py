@@ -104,9 +104,9 @@ def _layout_dims(t: torch.Tensor, layout: str, name: str) -> Tuple[Any, Any, Any
 
 
 # The raw cudaStream_t of torch's current stream on a device, as an int. torch's private
-# accessor skips building a torch.cuda.Stream object: 7 us of host time per call on the H100
-# machine (measured, docs/performance.md), where a whole sageattn call spent ~70-150 us on the
-# host against ~16-42 us for torch SDPA.
+# accessor skips building a torch.cuda.Stream object: 3-7 us of host time per call on the H100
+# machines (bench/host_overhead.py, docs/performance.md), where a whole sageattn call spent
+# ~70-150 us on the host against ~16-42 us for torch SDPA.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 

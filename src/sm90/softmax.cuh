@@ -74,8 +74,8 @@ struct OnlineSoftmax {
 
   // The integer row max (docs/numerics.md steps 4 and 6, recipes with per-tile K scales and
   // no Q smoothing): the same P~ from the tile's INT32 accumulators without converting each
-  // one to float. All of a thread's columns lie in one K group, so its multiplier is one per
-  // row and the order of the accumulators is the order of the logits: the thread's max is
+  // one to float. All of a thread's columns lie in one K group, so it has one multiplier and
+  // the order of its accumulators is the order of its logits: the thread's max is
   // taken on integers, converted once, and each exponent argument is one FFMA of a biased
   // integer reinterpreted as float, f = 2^24 + (acc - amax) (exact, rules::kIntRowMaxBias):
   //     x = f * mult + c,  c = (tmax - m) - 2^24 * mult.
