@@ -2,7 +2,9 @@
 the same attention in two steps (quantize_kv, then sageattn_quantized_kv).
 
 Everything here is plain Python over tensor metadata followed by calls of the custom ops
-torch.ops.sagekit.*, so torch.compile(fullgraph=True) traces it without a break.
+torch.ops.sagekit.* (ops.call_*: the op itself whenever anything but plain eager dispatch
+would see the call, so torch.compile(fullgraph=True) traces it without a break; its Python
+body directly otherwise, which saves the dispatcher's host time).
 Argument checks raise sagekit.ArgumentError (a ValueError) naming the argument, before any
 work is queued; checks that need the library (head dims, recipe validity on this GPU) run in
 the op and raise the same error type.
@@ -14,7 +16,7 @@ from typing import Any, Dict, Iterator, NamedTuple, Optional
 
 import torch
 
-from . import ops  # noqa: F401  (registers torch.ops.sagekit.*)
+from . import ops  # registers torch.ops.sagekit.*
 from ._errors import argument_error
 from ._recipes import RecipeLike, recipe_key
 
@@ -96,7 +98,7 @@ def sageattn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool 
         raise argument_error("is_causal", f"must be a bool (got {type(is_causal).__name__})")
     if scale is not None:
         scale = float(scale)
-    out, lse = torch.ops.sagekit.attention(q, k, v, layout, is_causal, scale, recipe_key(recipe),
+    out, lse = ops.call_attention(q, k, v, layout, is_causal, scale, recipe_key(recipe),
                                            return_lse, q_scale, k_scale, v_scale, out_dtype)
     return (out, lse) if return_lse else out
 
@@ -153,7 +155,7 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, layout: str = "HND",
         if t is not None:
             _check_cuda(t, name, k)
     key = recipe_key(recipe)
-    workspace = torch.ops.sagekit.quantize_kv(k, v, layout, key, k_scale, v_scale)
+    workspace = ops.call_quantize_kv(k, v, layout, key, k_scale, v_scale)
     return QuantizedKV(workspace, k, v, layout, key, k_scale, v_scale)
 
 
@@ -198,7 +200,7 @@ def sageattn_quantized_kv(q: torch.Tensor, kv: QuantizedKV, is_causal: bool = Fa
         _check_cuda(q_scale, "q_scale", k)
     if scale is not None:
         scale = float(scale)
-    out, lse = torch.ops.sagekit.attention_from_quantized_kv(
+    out, lse = ops.call_attention_from_quantized_kv(
         q, k, kv.v, kv.workspace, kv.layout, is_causal, scale, kv.recipe, return_lse, q_scale,
         kv.k_scale, kv.v_scale, out_dtype)
     return (out, lse) if return_lse else out

@@ -136,8 +136,7 @@ def _outputs(q: torch.Tensor, layout: str, return_lse: bool,
     return out, lse
 
 
-@torch.library.custom_op("sagekit::attention", mutates_args=(), device_types="cuda")
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, is_causal: bool,
+def _attention_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, is_causal: bool,
               scale: Optional[float], recipe: str, return_lse: bool,
               q_scale: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
               v_scale: Optional[torch.Tensor],
@@ -154,6 +153,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, is
     return out, lse
 
 
+attention = torch.library.custom_op("sagekit::attention", mutates_args=(),
+                                   device_types="cuda")(_attention_body)
+
+
 @attention.register_fake
 def _attention_fake(q, k, v, layout, is_causal, scale, recipe, return_lse, q_scale, k_scale,
                     v_scale, out_dtype):
@@ -163,8 +166,7 @@ def _attention_fake(q, k, v, layout, is_causal, scale, recipe, return_lse, q_sca
     return out, lse
 
 
-@torch.library.custom_op("sagekit::quantize_kv", mutates_args=(), device_types="cuda")
-def quantize_kv(k: torch.Tensor, v: torch.Tensor, layout: str, recipe: str,
+def _quantize_kv_body(k: torch.Tensor, v: torch.Tensor, layout: str, recipe: str,
                 k_scale: Optional[torch.Tensor],
                 v_scale: Optional[torch.Tensor]) -> torch.Tensor:
     _require_cuda_build()
@@ -179,6 +181,10 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, layout: str, recipe: str,
                        layout=layout, recipe=recipe, stream=stream, k_scale=_capsule(k_scale),
                        v_scale=_capsule(v_scale))
     return workspace
+
+
+quantize_kv = torch.library.custom_op("sagekit::quantize_kv", mutates_args=(),
+                                     device_types="cuda")(_quantize_kv_body)
 
 
 @quantize_kv.register_fake
@@ -199,9 +205,7 @@ def _quantize_kv_fake(k, v, layout, recipe, k_scale, v_scale):
     return k.new_empty((nbytes,), dtype=torch.uint8)
 
 
-@torch.library.custom_op("sagekit::attention_from_quantized_kv", mutates_args=(),
-                         device_types="cuda")
-def attention_from_quantized_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _attention_from_quantized_kv_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 workspace: torch.Tensor, layout: str, is_causal: bool,
                                 scale: Optional[float], recipe: str, return_lse: bool,
                                 q_scale: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
@@ -219,8 +223,54 @@ def attention_from_quantized_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out, lse
 
 
+attention_from_quantized_kv = torch.library.custom_op(
+    "sagekit::attention_from_quantized_kv", mutates_args=(),
+    device_types="cuda")(_attention_from_quantized_kv_body)
+
+
 @attention_from_quantized_kv.register_fake
 def _attention_from_quantized_kv_fake(q, k, v, workspace, layout, is_causal, scale, recipe,
                                       return_lse, q_scale, k_scale, v_scale, out_dtype):
     return _attention_fake(q, k, v, layout, is_causal, scale, recipe, return_lse, q_scale,
                            k_scale, v_scale, out_dtype)
+
+
+# ---- the eager fast path -------------------------------------------------------------------
+# Dispatching a torch.library.custom_op costs ~20 us of host time per call on the H100
+# machine (bench/host_overhead.py: the op 56 us, its Python body alone 34 us), which every
+# timed call at short N pays. When nothing but plain eager dispatch would see the call, the
+# body is what the dispatcher would run, so the front end calls it directly; anything else
+# (torch.compile tracing, fake or subclassed tensors, an input that needs grad while grad is
+# on (the op then refuses the backward pass), dispatch or function modes, functorch
+# transforms) goes through the op.
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_function_modes = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+_fast_eager_possible = None not in (_dispatch_modes, _function_modes, _functorch_active)
+
+
+def plain_eager(args) -> bool:
+    """Whether a call with these arguments would reach the op's body with nothing in between."""
+    if not _fast_eager_possible or torch.compiler.is_compiling():
+        return False
+    if _dispatch_modes() or _function_modes() or _functorch_active():
+        return False
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor or (grad and a.requires_grad)):
+            return False
+    return True
+
+
+def _fast_eager(op, body, name):
+    def call(*args):
+        return body(*args) if plain_eager(args) else op(*args)
+
+    call.__doc__ = f"torch.ops.sagekit.{name}, or its body directly where plain_eager(args)."
+    return call
+
+
+call_attention = _fast_eager(attention, _attention_body, "attention")
+call_quantize_kv = _fast_eager(quantize_kv, _quantize_kv_body, "quantize_kv")
+call_attention_from_quantized_kv = _fast_eager(
+    attention_from_quantized_kv, _attention_from_quantized_kv_body, "attention_from_quantized_kv")

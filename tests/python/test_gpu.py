@@ -285,6 +285,39 @@ def test_forward_only_op_refuses_a_backward_pass():
         out.float().sum().backward()
 
 
+def test_eager_fast_path_only_where_plain_eager_dispatch_would_run_the_body():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sagekit import ops
+
+    q, k, v = _qkv(b=1, hq=2, hkv=2, nq=160, nkv=200, seed=13)
+    args = (q, k, v, "HND", True, None, "sage2_8b", True, None, None, None, None)
+    assert ops.plain_eager(args)
+    # The direct body and the dispatched op compute the same thing, bit for bit.
+    fast, slow = ops.call_attention(*args), torch.ops.sagekit.attention(*args)
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    q.requires_grad_(True)
+    assert not ops.plain_eager(args)  # the op must see it: it refuses the backward pass
+    with torch.no_grad():
+        assert ops.plain_eager(args)
+    q.requires_grad_(False)
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            return func(*a, **(kw or {}))
+
+    with Watch():
+        assert not ops.plain_eager(args)
+    assert not ops.plain_eager((torch.nn.Parameter(q, requires_grad=False),) + args[1:])
+    # The two steps through the fast path against the one-step op (the workspace's padding
+    # is not defined, so the outputs are compared, not the workspaces).
+    kv = sagekit.quantize_kv(k, v, recipe="sage2_8b")
+    two_steps = sagekit.sageattn_quantized_kv(q, kv, is_causal=True, return_lse=True)
+    for a, b in zip(two_steps, slow):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 def test_auto_recipe_on_this_gpu_is_sage2_8b():
     q, k, v = _qkv(b=1, hq=2, hkv=2, nq=128, nkv=128, seed=11)
     torch.testing.assert_close(sagekit.sageattn(q, k, v),
