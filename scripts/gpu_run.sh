@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizers, Python package, benchmark.
-# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [profile] [ab] [knobs]
+# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [profile] [ab] [abenv] [knobs]
 # Results land in $OUT (at most 8 files come back): logs, JSON and Markdown.
 # recipes (not a default stage; needs the python stage's package): every preset's whole-call
 # speed at d 64/128, N 1K/4K/16K, non-causal fp16 -> $OUT/h100_recipes.json, the file
@@ -24,14 +24,14 @@ if has build; then
 fi
 if has test; then
   log gpu tests
-  (cd $BUILD && timeout 900 ./tests/sage_tests_gpu 2>&1) > "$OUT/gpu_tests.log"
+  (cd $BUILD && timeout ${TEST_TIMEOUT:-300} ./tests/sage_tests_gpu 2>&1) > "$OUT/gpu_tests.log"
   grep -E "^\[  (PASSED|FAILED)|FAILED|tests ran" "$OUT/gpu_tests.log" | tail -20
   grep -E "^\[metrics\]" "$OUT/gpu_tests.log" | awk '{print}' | sort -t'|' -k2 | tail -3
 fi
 if has sanitize; then
   log compute-sanitizer
   for tool in memcheck racecheck; do
-    timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 $BUILD/tests/sage_tests_gpu \
+    timeout ${SANITIZE_TIMEOUT:-150} compute-sanitizer --tool $tool --error-exitcode 9 $BUILD/tests/sage_tests_gpu \
       --gtest_filter='Sm90Sanitize.*:Sm90TwoStep.*' \
       > "$OUT/sanitize_$tool.log" 2>&1
     echo "$tool exit $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
@@ -87,6 +87,38 @@ if has ab; then
       echo "-- $side (round $round)"
       timeout 120 $bin bench --recipe ${AB_RECIPE:-sage2_8b} --d 64,128 --n ${AB_N:-1024,4096,16384} \
         --causal ${AB_CAUSAL:-no} --iters 20 ${AB_SPLIT:+--split} 2>&1 | grep -vE "^ *$|^TOPS" | tail -7
+    done
+  done
+fi
+if has abenv; then
+  # A/B of run-time tuning variables (e.g. SAGE_SM90_CTA_TILES, docs/performance.md) on this
+  # tree, with ab_old/ as the reference side, both built with
+  # sage2_8b's kernels only: ENVS="name=VAR=value VAR=value;name=...", every side `sage bench`
+  # (AB_SPLIT=1 adds --split), alternated twice in one run. Lines go to $OUT/abenv.txt as
+  # they come, so a run cut short by its time limit still reports.
+  log "env A/B: ${ENVS:-}"
+  for side in old new; do
+    src=.; [ $side = old ] && src=ab_old
+    (cmake -S $src -B build-abenv-$side -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAGE_BUILD_TESTS=OFF \
+      -DSAGE_KERNEL_VARIANTS=e4m3_two_level:per_tile:0 > "$OUT/abenv_build_$side.log" 2>&1 &&
+      ninja -C build-abenv-$side -j8 sage_cli >> "$OUT/abenv_build_$side.log" 2>&1) &
+  done
+  wait
+  for side in old new; do
+    [ -x build-abenv-$side/cli/sage ] || { tail -20 "$OUT/abenv_build_$side.log"; exit 1; }
+  done
+  IFS=';' read -r -a envs <<< "${ENVS:-default=}"
+  bench() {
+    timeout 150 "$@" bench --recipe sage2_8b --d 64,128 --n ${AB_N:-1024,4096,16384} \
+      --causal ${AB_CAUSAL:-no} --iters 20 ${AB_SPLIT:+--split} 2>&1 | grep -E "^ *recipe|^sage2"
+  }
+  for round in 1 2; do
+    echo "-- old (round $round)" | tee -a "$OUT/abenv.txt"
+    bench build-abenv-old/cli/sage | tee -a "$OUT/abenv.txt"
+    for kv in "${envs[@]}"; do
+      name=${kv%%=*}; vars=${kv#*=}
+      echo "-- $name: $vars (round $round)" | tee -a "$OUT/abenv.txt"
+      bench env $vars build-abenv-new/cli/sage | tee -a "$OUT/abenv.txt"
     done
   done
 fi

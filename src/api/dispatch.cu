@@ -15,6 +15,7 @@
 #include "sage/tile.h"
 #include "sm90/head_dims.h"
 #include "sm90/kernel_params.h"
+#include "sm90/schedule.h"
 #include "sm90/tma_maps.h"
 
 namespace sage {
@@ -249,6 +250,7 @@ void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVar
   ap.causal = args.causal, ap.smooth_k = r.smooth_k, ap.smooth_v = r.smooth_v;
   ap.smooth_q = r.smooth_q;
   ap.quantized_row_sum = r.row_sum == RowSum::quantized_p;
+  ap.items_per_cta = sm90::items_per_cta(ap);  // after every field it reads
   ap.kv = quantized_kv_at(ws, w);
   const sm90::AttentionMaps maps = sm90::make_attention_maps(ap, D, sm90::v_bytes(v.path));
   bool launched = false;

@@ -6,7 +6,8 @@
 // Warp specialization: warpgroup 0 is the producer (one thread issues TMA loads of the
 // quantized K tile and the transposed V tile into a ring of shared-memory stages, released
 // through mbarriers); warpgroups 1 and 2 are consumers, 64 Q rows each. Register budgets are
-// moved from the producer to the consumers with setmaxnreg.
+// moved from the producer to the consumers with setmaxnreg. A CTA runs one or more work items
+// (128-row Q tiles of a batch and head) one after the other.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -92,6 +93,17 @@ __device__ __forceinline__ int kv_tiles_for(const AttentionParams& p, int q0) {
   return min(all, last_key / kBlockKV + 1);
 }
 
+// A CTA's unit of work: one Q tile of one (batch, head). Items are numbered head-major, so
+// that the CTAs running at one time share a head's K/V in L2; causal Q tiles of a head come
+// heaviest first (the diagonal's far end carries the most K/V tiles).
+struct WorkItem {
+  int q_tile, h, b;
+};
+__device__ __forceinline__ WorkItem work_item(const AttentionParams& p, int w) {
+  const int q_index = w % p.n_q_tiles, hb = w / p.n_q_tiles;
+  return {p.causal ? p.n_q_tiles - 1 - q_index : q_index, hb % p.heads_q, hb / p.heads_q};
+}
+
 // T: the output dtype (and the input dtype of fp16/bf16 Q). Path: the PV operand policy.
 // KS: how the K scales are laid out (per tile groups or per token). SmoothQ: Q smoothing's
 // per-tile dS work; a compile-time choice because as a run-time branch it cost the recipes
@@ -111,13 +123,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto& s = *reinterpret_cast<SharedStorage<D, PV::kVBytes>*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
-  // Causal tiles on the diagonal's far end carry the most work: launch them first.
-  const int q_tile = p.causal ? p.n_q_tiles - 1 - blockIdx.x : blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int hk = h / (p.heads_q / p.heads_kv);
-  const int q0 = q_tile * kBlockQ;
-  const int n_tiles = kv_tiles_for(p, q0);
+  // Items [w_begin, w_end) in order (AttentionParams::items_per_cta, sm90/schedule.cu): the
+  // producer streams the K/V tiles of all of them through one ring, so the next item's first
+  // tiles are loaded while the consumers run the last one's epilogue, and the next item's Q
+  // rows are prefetched into L2 (below); no CTA exit and launch between items. Both consumer
+  // warpgroups work on the same item, within a stage or two of each other.
+  const int items = p.n_q_tiles * p.heads_q * p.batch;
+  const int w_begin = blockIdx.x * p.items_per_cta;
+  const int w_end = min(items, w_begin + p.items_per_cta);
   const int warpgroup = threadIdx.x / 128;
+  const int group_size = p.heads_q / p.heads_kv;
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
@@ -134,23 +149,29 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
       prefetch_tma_descriptor(&tma_k);
       prefetch_tma_descriptor(&tma_v);
-      const int k_row0 = (b * p.heads_kv + hk) * p.n_pad;
-      const int v_row0 = (b * p.heads_kv + hk) * D;
       constexpr uint32_t kStageBytes = (1 + PV::kVBytes) * kBlockKV * D;
       // A V tile row is kBlockKV * VBytes bytes: one 128-byte swizzle span per TMA box.
       constexpr int kVBoxes = PV::kVBytes;
-      for (int it = 0; it < n_tiles; ++it) {
-        const int stage = it % kStages;
-        if constexpr (SAGE_SM90_PRODUCER_SLEEP)
-          mbar_wait_sleeping(&s.empty[stage], ((it / kStages) & 1) ^ 1);
-        else
-          mbar_wait(&s.empty[stage], ((it / kStages) & 1) ^ 1);
-        mbar_expect_tx(&s.full[stage], kStageBytes);
-        tma_load_2d(s.k[stage], &tma_k, &s.full[stage], 0, k_row0 + it * kBlockKV);
+      int fill = 0;  // K/V tiles put into the ring so far, over all items
+      for (int w = w_begin; w < w_end; ++w) {
+        const WorkItem item = work_item(p, w);
+        const int hk = item.h / group_size;
+        const int k_row0 = (item.b * p.heads_kv + hk) * p.n_pad;
+        const int v_row0 = (item.b * p.heads_kv + hk) * D;
+        const int n_tiles = kv_tiles_for(p, item.q_tile * kBlockQ);
+        for (int it = 0; it < n_tiles; ++it, ++fill) {
+          const int stage = fill % kStages;
+          if constexpr (SAGE_SM90_PRODUCER_SLEEP)
+            mbar_wait_sleeping(&s.empty[stage], ((fill / kStages) & 1) ^ 1);
+          else
+            mbar_wait(&s.empty[stage], ((fill / kStages) & 1) ^ 1);
+          mbar_expect_tx(&s.full[stage], kStageBytes);
+          tma_load_2d(s.k[stage], &tma_k, &s.full[stage], 0, k_row0 + it * kBlockKV);
 #pragma unroll
-        for (int box = 0; box < kVBoxes; ++box)
-          tma_load_2d(s.v[stage] + box * D * 128, &tma_v, &s.full[stage],
-                      (it * kVBoxes + box) * 128, v_row0);
+          for (int box = 0; box < kVBoxes; ++box)
+            tma_load_2d(s.v[stage] + box * D * 128, &tma_v, &s.full[stage],
+                        (it * kVBoxes + box) * 128, v_row0);
+        }
       }
     }
     return;
@@ -158,312 +179,349 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // ---- consumers -------------------------------------------------------------------------
   if constexpr (kReallocateRegisters) setmaxnreg_inc<kConsumerRegs>();
-  const int cw = warpgroup - 1;                  // consumer warpgroup 0 / 1
-  const int warp = (threadIdx.x / 32) % 4;       // warp inside the warpgroup
-  const int lane = threadIdx.x % 32;
-  const int g = frag::group_of_lane(lane), t = frag::quad_of_lane(lane);
-  const int wg_row0 = q0 + 64 * cw;
-  const int rows[2] = {wg_row0 + 16 * warp + g, wg_row0 + 16 * warp + g + 8};
   const int causal_offset = p.n_kv - p.n_q;
-  const int64_t kv_head = (int64_t)b * p.heads_kv + hk;
-
   // Prequantized Q is int8: the pointer arithmetic is in elements of whichever type q is.
-  const int64_t q_offset = b * p.q_stride_b + h * p.q_stride_h;
-  const T* q_head = p.q_scale ? reinterpret_cast<const T*>(static_cast<const int8_t*>(p.q) + q_offset)
-                              : static_cast<const T*>(p.q) + q_offset;
-  const float* q_scale_head = p.q_scale ? p.q_scale + b * p.qs_stride_b + h * p.qs_stride_h : nullptr;
-  // The head's K scales and V scales/means are a few KiB that the quantize pass wrote long
-  // before (its K/V output has evicted them from L2): every 128-byte line of K scales cost
-  // the CTA a DRAM round trip inside its loop (ncu stall samples). Ask for all of them now,
-  // under the Q load. Measured (H100, same-run A/B, with SAGE_SM90_KSCALE_AHEAD=0): +2-4%
-  // kernel-only at d = 64 16K and at d = 128.
-  if constexpr (SAGE_SM90_L2_PREFETCH) {
-    const int64_t k_scale_bytes =
-        int64_t(KS == KScales::per_token ? p.n_pad : (p.n_pad / kBlockKV) * kKScalesPerTile) * 4;
-    const char* k_scale_head =
-        reinterpret_cast<const char*>(p.kv.k_scale) + kv_head * k_scale_bytes;
-    const int consumer_thread = threadIdx.x - 128;
-    for (int64_t line = consumer_thread; line * 128 < k_scale_bytes; line += 256)
-      prefetch_l2(k_scale_head + line * 128);
-    if (consumer_thread < D / 32) prefetch_l2(p.kv.v_scale + kv_head * D + 32 * consumer_thread);
-    else if (p.smooth_v && consumer_thread < D / 16)
-      prefetch_l2(p.kv.v_mean + kv_head * D + 32 * (consumer_thread - D / 32));
-  }
-  QOperand<D> qop;
-  const bool want_lse = p.lse != nullptr;
-  qop.load(p, q_head, q_scale_head, p.kv.k_mean + kv_head * D, rows, min(kBlockQ, p.n_q - q0),
-           lane, 4 * cw + warp, s.reduce, &s.q_sum[0][0], s.q_mean[cw], s.q[cw],
-           want_lse && p.smooth_k);
+  auto q_head_of = [&](const WorkItem& item) {
+    const int64_t q_offset = item.b * p.q_stride_b + item.h * p.q_stride_h;
+    return p.q_scale ? reinterpret_cast<const T*>(static_cast<const int8_t*>(p.q) + q_offset)
+                     : static_cast<const T*>(p.q) + q_offset;
+  };
+  // s.reduce and s.q_sum (per-block Q scales, Q smoothing) are shared by both warpgroups: one
+  // that finished an item must not overwrite them before the other has read the last item's.
+  const bool q_stats_shared = p.smooth_q || p.q_granularity == Granularity::per_block;
+  int consumed = 0;  // K/V tiles taken from the ring by this CTA's earlier items
+  for (int w = w_begin; w < w_end; ++w) {
+    // The thread's coordinates, recomputed per item from an opaque copy of its index: left
+    // loop-invariant, the compiler hoisted everything the prologue and epilogue derive from
+    // them (Q and output addresses, swizzled offsets) out of the item loop, where they stayed
+    // live through the K/V loop and spilled it (ptxas, d = 128: 72 bytes).
+    int tid = threadIdx.x;
+    reg_fence(tid);
+    const int cw = tid / 128 - 1;        // consumer warpgroup 0 / 1
+    const int warp = (tid / 32) % 4;     // warp inside the warpgroup
+    const int lane = tid % 32;
+    const int g = frag::group_of_lane(lane), t = frag::quad_of_lane(lane);
+    const WorkItem item = work_item(p, w);
+    const int h = item.h, b = item.b, hk = h / group_size;
+    const int q0 = item.q_tile * kBlockQ;
+    const int n_tiles = kv_tiles_for(p, q0);
+    const int wg_row0 = q0 + 64 * cw;
+    const int rows[2] = {wg_row0 + 16 * warp + g, wg_row0 + 16 * warp + g + 8};
+    const int64_t kv_head = (int64_t)b * p.heads_kv + hk;
+    auto stage_of = [&](int it) { return (consumed + it) % kStages; };
+    auto phase_of = [&](int it) { return ((consumed + it) / kStages) & 1; };
+    if (w > w_begin && q_stats_shared) named_barrier_sync(1, 256);
 
-  OnlineSoftmax<kBlockKV> softmax;
-  float o[D / 2];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-
-  // per_tile: this thread's columns all fall in K group t of a tile (tile.h); per_token: one
-  // scale per column.
-  const float* k_scale = KS == KScales::per_token
-                             ? p.kv.k_scale + kv_head * p.n_pad
-                             : p.kv.k_scale + kv_head * (p.n_pad / kBlockKV) * kKScalesPerTile;
-  // Per-tile K group scales loaded one tile ahead of their use (SAGE_SM90_KSCALE_AHEAD): read
-  // where needed, each tile's first score waited for the load (ncu stall samples, H100,
-  // d = 128, N = 1K). Not with Q smoothing, where the extra loop-carried register spilled
-  // (ptxas, d = 128): there make_scores loads its own.
-  constexpr bool kPrefetchKScale = SAGE_SM90_KSCALE_AHEAD && KS == KScales::per_tile && !SmoothQ;
-  auto load_k_scale = [&](int it) {
-    return kPrefetchKScale && it < n_tiles ? k_scale[it * kKScalesPerTile + t] : 0.f;
-  };
-  float ks_next = load_k_scale(0);
-  int32_t sacc[kBlockKV / 2];            // S of the tile whose softmax runs next
-  typename PV::Fragments pa;             // P of the tile whose PV MMA runs next
-  typename PV::Accumulator pv_acc;       // that PV MMA's product
-  float alpha_pending[2] = {1.f, 1.f};   // the output rescale that goes with that product
-
-  auto issue_qk = [&](int stage) {
-    wgmma_fence();
-    mma_s8_ss<kBlockKV, false>(sacc, make_smem_desc(s.q[cw], D), make_smem_desc(s.k[stage], D));
-#pragma unroll
-    for (int kc = 1; kc < D / 32; ++kc)
-      mma_s8_ss<kBlockKV, true>(sacc, make_smem_desc(s.q[cw] + 32 * kc, D),
-                                make_smem_desc(s.k[stage] + 32 * kc, D));
-    wgmma_commit();
-  };
-  // Q smoothing: each thread computes one key's bias while the QK MMA runs.
-  auto compute_key_bias = [&](int it, int stage) {
-    const int j = threadIdx.x % 128;
-    const float kj_scale = KS == KScales::per_token
-                               ? k_scale[it * kBlockKV + j]
-                               : k_scale[it * kKScalesPerTile + (j % 8) / 2];
-    s.key_bias[cw][it & 1][j] =
-        smooth_q_key_bias<D>(s.k[stage], j, s.q_mean[cw], kj_scale, p.sm_scale_log2);
-    named_barrier_sync(4 + cw, 128);
-  };
-  // Whether any entry of tile it may be masked for this warpgroup's rows, and which.
-  auto tile_needs_mask = [&](int it) {
-    const int kv0 = it * kBlockKV;
-    return kv0 + kBlockKV > p.n_kv || (p.causal && kv0 + kBlockKV - 1 > wg_row0 + causal_offset);
-  };
-  // Entry i of tile it is masked iff its column offset from this thread's first column,
-  // 8 (i / 4) + i % 2 (a constant once unrolled), reaches the row's limit: one compare per
-  // entry against two registers. (Column and row tests per entry made the INT32 mask pass of
-  // the integer row max spill, ptxas, d = 128.)
-  auto mask_limits = [&](int it, int (&limit)[2]) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int first_masked = p.causal ? min(p.n_kv, rows[r] + causal_offset + 1) : p.n_kv;
-      limit[r] = first_masked - (it * kBlockKV + 2 * t);
+    const T* q_head = q_head_of(item);
+    const float* q_scale_head = p.q_scale ? p.q_scale + b * p.qs_stride_b + h * p.qs_stride_h : nullptr;
+    // The head's K scales and V scales/means are a few KiB that the quantize pass wrote long
+    // before (its K/V output has evicted them from L2): every 128-byte line of K scales cost
+    // the CTA a DRAM round trip inside its loop (ncu stall samples). Ask for all of them now,
+    // under the Q load. Measured (H100, same-run A/B, with SAGE_SM90_KSCALE_AHEAD=0): +2-4%
+    // kernel-only at d = 64 16K and at d = 128.
+    if constexpr (SAGE_SM90_L2_PREFETCH) {
+      const int64_t k_scale_bytes =
+          int64_t(KS == KScales::per_token ? p.n_pad : (p.n_pad / kBlockKV) * kKScalesPerTile) * 4;
+      const char* k_scale_head =
+          reinterpret_cast<const char*>(p.kv.k_scale) + kv_head * k_scale_bytes;
+      const int consumer_thread = threadIdx.x - 128;
+      for (int64_t line = consumer_thread; line * 128 < k_scale_bytes; line += 256)
+        prefetch_l2(k_scale_head + line * 128);
+      if (consumer_thread < D / 32) prefetch_l2(p.kv.v_scale + kv_head * D + 32 * consumer_thread);
+      else if (p.smooth_v && consumer_thread < D / 16)
+        prefetch_l2(p.kv.v_mean + kv_head * D + 32 * (consumer_thread - D / 32));
     }
-  };
-  auto is_masked = [](const int (&limit)[2], int i) {
-    return 8 * (i / 4) + i % 2 >= limit[frag::acc_row(i)];
-  };
-  constexpr bool kIntegerMax = KS == KScales::per_tile && !SmoothQ;
-  // The tile's logits from its QK accumulator (per-token or per-tile K scales, Q smoothing's
-  // bias), masked entries -inf.
-  // ks_prefetched: this thread's per-tile K group scale when loaded ahead.
-  auto make_scores = [&](int it, float ks_prefetched, float (&sc)[kBlockKV / 2]) {
-    if constexpr (KS == KScales::per_token) {
+    QOperand<D> qop;
+    const bool want_lse = p.lse != nullptr;
+    qop.load(p, q_head, q_scale_head, p.kv.k_mean + kv_head * D, rows, min(kBlockQ, p.n_q - q0),
+             lane, 4 * cw + warp, s.reduce, &s.q_sum[0][0], s.q_mean[cw], s.q[cw],
+             want_lse && p.smooth_k);
+    // The next item's Q rows into L2 (one 128-byte line per consumer thread, 2 per row at most),
+    // so that its load in the next prologue does not wait for DRAM.
+    if (w + 1 < w_end) {
+      const WorkItem next = work_item(p, w + 1);
+      const int row = next.q_tile * kBlockQ + (threadIdx.x - 128) % kBlockQ;
+      const int line = (threadIdx.x - 128) / kBlockQ;
+      const int elem_bytes = p.q_scale ? 1 : int(sizeof(T));
+      if (row < p.n_q && line * 128 < D * elem_bytes)
+        prefetch_l2(reinterpret_cast<const char*>(q_head_of(next)) +
+                    ((int64_t)row * p.q_stride_n) * elem_bytes + line * 128);
+    }
+
+    OnlineSoftmax<kBlockKV> softmax;
+    float o[D / 2];
 #pragma unroll
-      for (int j = 0; j < kBlockKV / 8; ++j) {
-        // Straight from global memory (L1/L2): a copy into the stage's shared memory by the
-        // producer's bulk copy was reported as a race by compute-sanitizer racecheck, which
-        // does not follow mbarrier ordering into the async proxy.
-        const float2 ks = *reinterpret_cast<const float2*>(k_scale + it * kBlockKV + 8 * j + 2 * t);
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+
+    // per_tile: this thread's columns all fall in K group t of a tile (tile.h); per_token: one
+    // scale per column.
+    const float* k_scale = KS == KScales::per_token
+                               ? p.kv.k_scale + kv_head * p.n_pad
+                               : p.kv.k_scale + kv_head * (p.n_pad / kBlockKV) * kKScalesPerTile;
+    // Per-tile K group scales loaded one tile ahead of their use (SAGE_SM90_KSCALE_AHEAD): read
+    // where needed, each tile's first score waited for the load (ncu stall samples, H100,
+    // d = 128, N = 1K). Not with Q smoothing, where the extra loop-carried register spilled
+    // (ptxas, d = 128): there make_scores loads its own.
+    constexpr bool kPrefetchKScale = SAGE_SM90_KSCALE_AHEAD && KS == KScales::per_tile && !SmoothQ;
+    auto load_k_scale = [&](int it) {
+      return kPrefetchKScale && it < n_tiles ? k_scale[it * kKScalesPerTile + t] : 0.f;
+    };
+    float ks_next = load_k_scale(0);
+    int32_t sacc[kBlockKV / 2];            // S of the tile whose softmax runs next
+    typename PV::Fragments pa;             // P of the tile whose PV MMA runs next
+    typename PV::Accumulator pv_acc;       // that PV MMA's product
+    float alpha_pending[2] = {1.f, 1.f};   // the output rescale that goes with that product
+
+    auto issue_qk = [&](int stage) {
+      wgmma_fence();
+      mma_s8_ss<kBlockKV, false>(sacc, make_smem_desc(s.q[cw], D), make_smem_desc(s.k[stage], D));
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = 4 * j + e;
-          sc[i] = float(sacc[i]) * rules::score_multiplier(qop.scale[frag::acc_row(i)],
-                                                           e % 2 ? ks.y : ks.x, p.sm_scale_log2);
-        }
+      for (int kc = 1; kc < D / 32; ++kc)
+        mma_s8_ss<kBlockKV, true>(sacc, make_smem_desc(s.q[cw] + 32 * kc, D),
+                                  make_smem_desc(s.k[stage] + 32 * kc, D));
+      wgmma_commit();
+    };
+    // Q smoothing: each thread computes one key's bias while the QK MMA runs.
+    auto compute_key_bias = [&](int it, int stage) {
+      const int j = threadIdx.x % 128;
+      const float kj_scale = KS == KScales::per_token
+                                 ? k_scale[it * kBlockKV + j]
+                                 : k_scale[it * kKScalesPerTile + (j % 8) / 2];
+      s.key_bias[cw][it & 1][j] =
+          smooth_q_key_bias<D>(s.k[stage], j, s.q_mean[cw], kj_scale, p.sm_scale_log2);
+      named_barrier_sync(4 + cw, 128);
+    };
+    // Whether any entry of tile it may be masked for this warpgroup's rows, and which.
+    auto tile_needs_mask = [&](int it) {
+      const int kv0 = it * kBlockKV;
+      return kv0 + kBlockKV > p.n_kv || (p.causal && kv0 + kBlockKV - 1 > wg_row0 + causal_offset);
+    };
+    // Entry i of tile it is masked iff its column offset from this thread's first column,
+    // 8 (i / 4) + i % 2 (a constant once unrolled), reaches the row's limit: one compare per
+    // entry against two registers. (Column and row tests per entry made the INT32 mask pass of
+    // the integer row max spill, ptxas, d = 128.)
+    auto mask_limits = [&](int it, int (&limit)[2]) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int first_masked = p.causal ? min(p.n_kv, rows[r] + causal_offset + 1) : p.n_kv;
+        limit[r] = first_masked - (it * kBlockKV + 2 * t);
       }
-    } else {
-      const float ks_tile = kPrefetchKScale ? ks_prefetched : k_scale[it * kKScalesPerTile + t];
-      const float mult[2] = {rules::score_multiplier(qop.scale[0], ks_tile, p.sm_scale_log2),
-                             rules::score_multiplier(qop.scale[1], ks_tile, p.sm_scale_log2)};
+    };
+    auto is_masked = [](const int (&limit)[2], int i) {
+      return 8 * (i / 4) + i % 2 >= limit[frag::acc_row(i)];
+    };
+    constexpr bool kIntegerMax = KS == KScales::per_tile && !SmoothQ;
+    // The tile's logits from its QK accumulator (per-token or per-tile K scales, Q smoothing's
+    // bias), masked entries -inf.
+    // ks_prefetched: this thread's per-tile K group scale when loaded ahead.
+    auto make_scores = [&](int it, float ks_prefetched, float (&sc)[kBlockKV / 2]) {
+      if constexpr (KS == KScales::per_token) {
 #pragma unroll
-      for (int i = 0; i < kBlockKV / 2; ++i) sc[i] = float(sacc[i]) * mult[frag::acc_row(i)];
-    }
-    if constexpr (SmoothQ) {
-      const float* bias = s.key_bias[cw][it & 1];
+        for (int j = 0; j < kBlockKV / 8; ++j) {
+          // Straight from global memory (L1/L2): a copy into the stage's shared memory by the
+          // producer's bulk copy was reported as a race by compute-sanitizer racecheck, which
+          // does not follow mbarrier ordering into the async proxy.
+          const float2 ks = *reinterpret_cast<const float2*>(k_scale + it * kBlockKV + 8 * j + 2 * t);
 #pragma unroll
-      for (int i = 0; i < kBlockKV / 2; ++i) sc[i] = __fadd_rn(sc[i], bias[frag::acc_col(i, t)]);
-    }
-    if (tile_needs_mask(it)) {
-      int limit[2];
-      mask_limits(it, limit);
+          for (int e = 0; e < 4; ++e) {
+            const int i = 4 * j + e;
+            sc[i] = float(sacc[i]) * rules::score_multiplier(qop.scale[frag::acc_row(i)],
+                                                             e % 2 ? ks.y : ks.x, p.sm_scale_log2);
+          }
+        }
+      } else {
+        const float ks_tile = kPrefetchKScale ? ks_prefetched : k_scale[it * kKScalesPerTile + t];
+        const float mult[2] = {rules::score_multiplier(qop.scale[0], ks_tile, p.sm_scale_log2),
+                               rules::score_multiplier(qop.scale[1], ks_tile, p.sm_scale_log2)};
 #pragma unroll
-      for (int i = 0; i < kBlockKV / 2; ++i)
-        if (is_masked(limit, i)) sc[i] = -INFINITY;
-    }
-  };
-  // The tile's P~ * p_max (in sc), the rescale of earlier output and the row sums, from its
-  // QK accumulator. Recipes with per-tile K scales and no Q smoothing skip the float logits:
-  // the integer row max (softmax.cuh, update_from_int; the simulator follows
-  // rules::integer_row_max, which dispatch checks against this choice).
-  auto tile_to_p = [&](int it, float ks_prefetched, float (&sc)[kBlockKV / 2], float (&alpha)[2],
-                       float (&p_sum)[2]) {
-    if constexpr (kIntegerMax) {
-      const float ks_tile = kPrefetchKScale ? ks_prefetched : k_scale[it * kKScalesPerTile + t];
-      const float mult = rules::score_multiplier(qop.scale[0], ks_tile, p.sm_scale_log2);
-      const bool masked = tile_needs_mask(it);
-      if (masked) {
+        for (int i = 0; i < kBlockKV / 2; ++i) sc[i] = float(sacc[i]) * mult[frag::acc_row(i)];
+      }
+      if constexpr (SmoothQ) {
+        const float* bias = s.key_bias[cw][it & 1];
+#pragma unroll
+        for (int i = 0; i < kBlockKV / 2; ++i) sc[i] = __fadd_rn(sc[i], bias[frag::acc_col(i, t)]);
+      }
+      if (tile_needs_mask(it)) {
         int limit[2];
         mask_limits(it, limit);
 #pragma unroll
         for (int i = 0; i < kBlockKV / 2; ++i)
-          if (is_masked(limit, i)) sacc[i] = INT32_MIN;
+          if (is_masked(limit, i)) sc[i] = -INFINITY;
       }
-      softmax.update_from_int(sacc, mult, masked, p.p_max, sc, alpha, p_sum);
-    } else {
-      make_scores(it, ks_prefetched, sc);
-      softmax.update(sc, p.p_max, alpha, p_sum);
-    }
-  };
-  // P of the tile into the PV operand, and the tile's row sums into the softmax state.
-  auto pack_p = [&](const float (&sc)[kBlockKV / 2], const float (&alpha)[2],
-                    const float (&p_sum)[2]) {
-    int32_t code_sum[2] = {0, 0};
-    PV::pack(sc, pa, code_sum);
-    if (Path == PVPath::int8 && p.quantized_row_sum) {
-      // INT-FlashAttention: the denominator sums the quantized P (the codes, which are in
-      // the row sum's units of P~ * p_max).
-      const float q_sum[2] = {float(code_sum[0]), float(code_sum[1])};
-      softmax.add_row_sum(alpha, q_sum);
-    } else {
-      softmax.add_row_sum(alpha, p_sum);
-    }
-  };
+    };
+    // The tile's P~ * p_max (in sc), the rescale of earlier output and the row sums, from its
+    // QK accumulator. Recipes with per-tile K scales and no Q smoothing skip the float logits:
+    // the integer row max (softmax.cuh, update_from_int; the simulator follows
+    // rules::integer_row_max, which dispatch checks against this choice).
+    auto tile_to_p = [&](int it, float ks_prefetched, float (&sc)[kBlockKV / 2], float (&alpha)[2],
+                         float (&p_sum)[2]) {
+      if constexpr (kIntegerMax) {
+        const float ks_tile = kPrefetchKScale ? ks_prefetched : k_scale[it * kKScalesPerTile + t];
+        const float mult = rules::score_multiplier(qop.scale[0], ks_tile, p.sm_scale_log2);
+        const bool masked = tile_needs_mask(it);
+        if (masked) {
+          int limit[2];
+          mask_limits(it, limit);
+#pragma unroll
+          for (int i = 0; i < kBlockKV / 2; ++i)
+            if (is_masked(limit, i)) sacc[i] = INT32_MIN;
+        }
+        softmax.update_from_int(sacc, mult, masked, p.p_max, sc, alpha, p_sum);
+      } else {
+        make_scores(it, ks_prefetched, sc);
+        softmax.update(sc, p.p_max, alpha, p_sum);
+      }
+    };
+    // P of the tile into the PV operand, and the tile's row sums into the softmax state.
+    auto pack_p = [&](const float (&sc)[kBlockKV / 2], const float (&alpha)[2],
+                      const float (&p_sum)[2]) {
+      int32_t code_sum[2] = {0, 0};
+      PV::pack(sc, pa, code_sum);
+      if (Path == PVPath::int8 && p.quantized_row_sum) {
+        // INT-FlashAttention: the denominator sums the quantized P (the codes, which are in
+        // the row sum's units of P~ * p_max).
+        const float q_sum[2] = {float(code_sum[0]), float(code_sum[1])};
+        softmax.add_row_sum(alpha, q_sum);
+      } else {
+        softmax.add_row_sum(alpha, p_sum);
+      }
+    };
 
-  // Pingpong between the two consumer warpgroups (FlashAttention-3): each issues its MMAs of
-  // a tile (QK of tile i, PV of tile i-1) only after the other has issued its own, so the
-  // tensor cores alternate between them and one warpgroup's softmax runs while the other's
-  // MMAs do. Every warpgroup has n_tiles + 1 issue turns; warpgroup 1 lets warpgroup 0 start
-  // and skips its last hand-over, so that no arrival is left pending on a barrier at exit.
+    // Pingpong between the two consumer warpgroups (FlashAttention-3): each issues its MMAs of
+    // a tile (QK of tile i, PV of tile i-1) only after the other has issued its own, so the
+    // tensor cores alternate between them and one warpgroup's softmax runs while the other's
+    // MMAs do. Every warpgroup has n_tiles + 1 issue turns; warpgroup 1 lets warpgroup 0 start
+    // and skips its last hand-over, so that no arrival is left pending on a barrier at exit.
+    // (The hand-over restarts with every item; not measured since items were chained.)
   constexpr bool kPingpong = SAGE_SM90_PINGPONG && kOverlapPV;
-  auto begin_turn = [&] {
-    if constexpr (kPingpong) named_barrier_sync(6 + cw, 256);
-  };
-  auto end_turn = [&](bool last_turn) {
-    if constexpr (kPingpong)
-      if (!(last_turn && cw == 1)) named_barrier_arrive(6 + (cw ^ 1), 256);
-  };
-  if (kPingpong && cw == 1 && n_tiles > 0) named_barrier_arrive(6, 256);
+    auto begin_turn = [&] {
+      if constexpr (kPingpong) named_barrier_sync(6 + cw, 256);
+    };
+    auto end_turn = [&](bool last_turn) {
+      if constexpr (kPingpong)
+        if (!(last_turn && cw == 1)) named_barrier_arrive(6 + (cw ^ 1), 256);
+    };
+    if (kPingpong && cw == 1 && n_tiles > 0) named_barrier_arrive(6, 256);
 
-  // A software pipeline inside the warpgroup (FlashAttention-3's intra-warpgroup overlap):
-  // tile i's QK MMA and tile i-1's PV MMA are issued back to back, and tile i's softmax runs
-  // while the PV MMA does. Run one tile at a time (QK, softmax, PV), consumer warps waited on
-  // their own MMAs in 20% of the stall samples (ncu, H100, d = 128, N = 16K). Registers: O,
-  // the PV product, P of the running PV and the scores are live at once (208 for d = 128 and
-  // 8-bit P); the next P is packed only after the product is folded in, when both are dead.
-  // (v3 in docs/performance.md also held the next P and spilled.)
-  if constexpr (!kOverlapPV) {
-    // One tile at a time: the pipeline's extra live registers spill in this variant.
-    for (int it = 0; it < n_tiles; ++it) {
-      const int stage = it % kStages;
-      mbar_wait(&s.full[stage], (it / kStages) & 1);
-      issue_qk(stage);
+    // A software pipeline inside the warpgroup (FlashAttention-3's intra-warpgroup overlap):
+    // tile i's QK MMA and tile i-1's PV MMA are issued back to back, and tile i's softmax runs
+    // while the PV MMA does. Run one tile at a time (QK, softmax, PV), consumer warps waited on
+    // their own MMAs in 20% of the stall samples (ncu, H100, d = 128, N = 16K). Registers: O,
+    // the PV product, P of the running PV and the scores are live at once (208 for d = 128 and
+    // 8-bit P); the next P is packed only after the product is folded in, when both are dead.
+    // (v3 in docs/performance.md also held the next P and spilled.)
+    if constexpr (!kOverlapPV) {
+      // One tile at a time: the pipeline's extra live registers spill in this variant.
+      for (int it = 0; it < n_tiles; ++it) {
+        const int stage = stage_of(it);
+        mbar_wait(&s.full[stage], phase_of(it));
+        issue_qk(stage);
+        const float ks_tile = ks_next;
+        ks_next = load_k_scale(it + 1);
+        if constexpr (SmoothQ) compute_key_bias(it, stage);
+        wgmma_wait<0>();
+        reg_fence(sacc);
+        float sc[kBlockKV / 2], alpha[2], p_sum[2];
+        tile_to_p(it, ks_tile, sc, alpha, p_sum);
+        pack_p(sc, alpha, p_sum);
+        PV::issue(pv_acc, pa, s.v[stage]);
+        wgmma_wait<0>();
+        PV::fold(o, pv_acc, pa, alpha);
+        if (lane == 0) mbar_arrive(&s.empty[stage]);
+      }
+    }
+    if (kOverlapPV && n_tiles > 0) {
+      mbar_wait(&s.full[stage_of(0)], phase_of(0));
+      begin_turn();
+      issue_qk(stage_of(0));
+      const float ks_tile = ks_next;
+      ks_next = load_k_scale(1);
+      if constexpr (SmoothQ) compute_key_bias(0, stage_of(0));
+      end_turn(false);
+      wgmma_wait<0>();
+      reg_fence(sacc);
+      float sc[kBlockKV / 2], p_sum[2];
+      tile_to_p(0, ks_tile, sc, alpha_pending, p_sum);
+      pack_p(sc, alpha_pending, p_sum);
+    }
+    for (int it = 1; kOverlapPV && it < n_tiles; ++it) {
+      const int stage = stage_of(it), prev = stage_of(it - 1);
+      mbar_wait(&s.full[stage], phase_of(it));
+      begin_turn();
+      issue_qk(stage);  // commit group: S of tile it
       const float ks_tile = ks_next;
       ks_next = load_k_scale(it + 1);
+      // Before the PV MMA owns its registers: with both in flight the bias spilled (ptxas).
       if constexpr (SmoothQ) compute_key_bias(it, stage);
-      wgmma_wait<0>();
+      PV::issue(pv_acc, pa, s.v[prev]);  // commit group: P V of tile it - 1
+      end_turn(false);
+      wgmma_wait<1>();  // S is ready; the PV MMA may still run
       reg_fence(sacc);
       float sc[kBlockKV / 2], alpha[2], p_sum[2];
       tile_to_p(it, ks_tile, sc, alpha, p_sum);
-      pack_p(sc, alpha, p_sum);
-      PV::issue(pv_acc, pa, s.v[stage]);
       wgmma_wait<0>();
-      PV::fold(o, pv_acc, pa, alpha);
-      if (lane == 0) mbar_arrive(&s.empty[stage]);
+      PV::fold(o, pv_acc, pa, alpha_pending);
+      if (lane == 0) mbar_arrive(&s.empty[prev]);  // tile it - 1's K and V are read
+      pack_p(sc, alpha, p_sum);
+      alpha_pending[0] = alpha[0], alpha_pending[1] = alpha[1];
     }
-  }
-  if (kOverlapPV && n_tiles > 0) {
-    mbar_wait(&s.full[0], 0);
-    begin_turn();
-    issue_qk(0);
-    const float ks_tile = ks_next;
-    ks_next = load_k_scale(1);
-    if constexpr (SmoothQ) compute_key_bias(0, 0);
-    end_turn(false);
-    wgmma_wait<0>();
-    reg_fence(sacc);
-    float sc[kBlockKV / 2], p_sum[2];
-    tile_to_p(0, ks_tile, sc, alpha_pending, p_sum);
-    pack_p(sc, alpha_pending, p_sum);
-  }
-  for (int it = 1; kOverlapPV && it < n_tiles; ++it) {
-    const int stage = it % kStages, prev = (it - 1) % kStages;
-    mbar_wait(&s.full[stage], (it / kStages) & 1);
-    begin_turn();
-    issue_qk(stage);  // commit group: S of tile it
-    const float ks_tile = ks_next;
-    ks_next = load_k_scale(it + 1);
-    // Before the PV MMA owns its registers: with both in flight the bias spilled (ptxas).
-    if constexpr (SmoothQ) compute_key_bias(it, stage);
-    PV::issue(pv_acc, pa, s.v[prev]);  // commit group: P V of tile it - 1
-    end_turn(false);
-    wgmma_wait<1>();  // S is ready; the PV MMA may still run
-    reg_fence(sacc);
-    float sc[kBlockKV / 2], alpha[2], p_sum[2];
-    tile_to_p(it, ks_tile, sc, alpha, p_sum);
-    wgmma_wait<0>();
-    PV::fold(o, pv_acc, pa, alpha_pending);
-    if (lane == 0) mbar_arrive(&s.empty[prev]);  // tile it - 1's K and V are read
-    pack_p(sc, alpha, p_sum);
-    alpha_pending[0] = alpha[0], alpha_pending[1] = alpha[1];
-  }
-  if (kOverlapPV && n_tiles > 0) {
-    const int last = (n_tiles - 1) % kStages;
-    begin_turn();
-    PV::issue(pv_acc, pa, s.v[last]);
-    end_turn(true);
-    wgmma_wait<0>();
-    PV::fold(o, pv_acc, pa, alpha_pending);
-  }
+    if (kOverlapPV && n_tiles > 0) {
+      const int last = stage_of(n_tiles - 1);
+      begin_turn();
+      PV::issue(pv_acc, pa, s.v[last]);
+      end_turn(true);
+      wgmma_wait<0>();
+      PV::fold(o, pv_acc, pa, alpha_pending);
+      // The last stage goes back to the producer too: with chained items it refills it.
+      if (lane == 0) mbar_arrive(&s.empty[last]);
+    }
 
-  // ---- epilogue: normalize, undo the V scale, add back the V mean, store -----------------
-  // The channel scales and means are loaded into registers before the first store: loaded
-  // where used, every load waited behind the stores before it (they may alias), and with one
-  // IEEE division per element the epilogue took 27% of the stall samples at N = 1K (ncu,
-  // H100, d = 128). One reciprocal per row instead (docs/numerics.md, GPU vs simulator).
-  float l[2], inv_l[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] = frag::quad_sum(softmax.l[r]);
-    inv_l[r] = l[r] > 0.f ? __frcp_rn(l[r]) : 0.f;
-  }
-  T* out_head = static_cast<T*>(p.out) + b * p.o_stride_b + h * p.o_stride_h;
-  const float* v_scale = p.kv.v_scale + kv_head * D;
-  const float* v_mean = p.kv.v_mean + kv_head * D;
-  float2 vs[D / 8], vm[D / 8];
-#pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
-    vs[j] = *reinterpret_cast<const float2*>(v_scale + 8 * j + 2 * t);
-    vm[j] = p.smooth_v ? *reinterpret_cast<const float2*>(v_mean + 8 * j + 2 * t) : make_float2(0.f, 0.f);
-  }
-#pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
-    const int c = 8 * j + 2 * t;
+    // ---- epilogue: normalize, undo the V scale, add back the V mean, store -----------------
+    // The channel scales and means are loaded into registers before the first store: loaded
+    // where used, every load waited behind the stores before it (they may alias), and with one
+    // IEEE division per element the epilogue took 27% of the stall samples at N = 1K (ncu,
+    // H100, d = 128). One reciprocal per row instead (docs/numerics.md, GPU vs simulator).
+    float l[2], inv_l[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      if (rows[r] >= p.n_q) continue;
-      float y0 = 0.f, y1 = 0.f;
-      if (l[r] > 0.f) {  // l sums P~ * p_max: its p_max cancels the one of P's codes
-        y0 = (o[4 * j + 2 * r] * vs[j].x) * inv_l[r] + vm[j].x;
-        y1 = (o[4 * j + 2 * r + 1] * vs[j].y) * inv_l[r] + vm[j].y;
+      l[r] = frag::quad_sum(softmax.l[r]);
+      inv_l[r] = l[r] > 0.f ? __frcp_rn(l[r]) : 0.f;
+    }
+    T* out_head = static_cast<T*>(p.out) + b * p.o_stride_b + h * p.o_stride_h;
+    const float* v_scale = p.kv.v_scale + kv_head * D;
+    const float* v_mean = p.kv.v_mean + kv_head * D;
+    float2 vs[D / 8], vm[D / 8];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      vs[j] = *reinterpret_cast<const float2*>(v_scale + 8 * j + 2 * t);
+      vm[j] = p.smooth_v ? *reinterpret_cast<const float2*>(v_mean + 8 * j + 2 * t) : make_float2(0.f, 0.f);
+    }
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      const int c = 8 * j + 2 * t;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (rows[r] >= p.n_q) continue;
+        float y0 = 0.f, y1 = 0.f;
+        if (l[r] > 0.f) {  // l sums P~ * p_max: its p_max cancels the one of P's codes
+          y0 = (o[4 * j + 2 * r] * vs[j].x) * inv_l[r] + vm[j].x;
+          y1 = (o[4 * j + 2 * r + 1] * vs[j].y) * inv_l[r] + vm[j].y;
+        }
+        gpu::store2(out_head + (int64_t)rows[r] * p.o_stride_n + c, y0, y1);
       }
-      gpu::store2(out_head + (int64_t)rows[r] * p.o_stride_n + c, y0, y1);
     }
-  }
-  if (want_lse && t == 0) {
+    if (want_lse && t == 0) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (rows[r] >= p.n_q) continue;
-      // l sums P~ * p_max.
-      const float lse = l[r] > 0.f ? (softmax.m[r] + (log2f(l[r]) - log2f(p.p_max))) * 0.69314718055994531f +
-                                         p.sm_scale * qop.dot_kmean[r]
-                                   : -INFINITY;
-      p.lse[b * p.lse_stride_b + h * p.lse_stride_h + (int64_t)rows[r] * p.lse_stride_n] = lse;
+      for (int r = 0; r < 2; ++r) {
+        if (rows[r] >= p.n_q) continue;
+        // l sums P~ * p_max.
+        const float lse = l[r] > 0.f ? (softmax.m[r] + (log2f(l[r]) - log2f(p.p_max))) * 0.69314718055994531f +
+                                           p.sm_scale * qop.dot_kmean[r]
+                                     : -INFINITY;
+        p.lse[b * p.lse_stride_b + h * p.lse_stride_h + (int64_t)rows[r] * p.lse_stride_n] = lse;
+      }
     }
+    consumed += n_tiles;
   }
 }
 

@@ -23,7 +23,8 @@ void launch_attention(const AttentionParams& p, const AttentionMaps& maps, cudaS
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   });
   if (attribute_error != cudaSuccess) throw_cuda("cudaFuncSetAttribute(attention)", attribute_error);
-  const dim3 grid(p.n_q_tiles, p.heads_q, p.batch);
+  const int64_t items = int64_t(p.n_q_tiles) * p.heads_q * p.batch;
+  const dim3 grid(unsigned((items + p.items_per_cta - 1) / p.items_per_cta));
   kernel<<<grid, kThreads, smem, stream>>>(maps.k, maps.v, p);
 }
 

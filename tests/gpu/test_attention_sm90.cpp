@@ -16,6 +16,10 @@
 #include "gpu_harness.h"
 #include "reference/synthetic.h"
 
+#ifdef SAGE_WITH_CUDA
+#include "sm90/schedule.h"
+#endif
+
 namespace sage::testing {
 namespace {
 
@@ -196,6 +200,61 @@ TEST(Sm90Attention, RepeatedRunsAreBitIdentical) {
   }
 }
 
+#ifdef SAGE_WITH_CUDA
+// Pins the number of work items per CTA (sm90/schedule.h) for the test's lifetime.
+class ItemsPerCta {
+ public:
+  explicit ItemsPerCta(int items) { sm90::set_items_per_cta_override(items); }
+  ~ItemsPerCta() { sm90::set_items_per_cta_override(0); }
+};
+#endif
+
+// Several work items (Q tiles) per CTA: the producer's ring carries over from one item to the
+// next, so each item must still see its own tiles, in order. The test shapes are too small
+// for the launch to chain items by itself, so the count is pinned: every output and LSE bit
+// must equal one item per CTA, and the chained run must stay within the simulator bounds
+// (which also checks that every output element is written). The shapes give items of uneven
+// length (causal), items with no K/V tile (n_q > n_kv, causal), heads changing inside a
+// CTA's run (GQA, batch), and an item count that the items per CTA do not divide.
+TEST(Sm90Attention, ChainedWorkItemsPerCta) {
+  SAGE_REQUIRE_GPU();
+#ifdef SAGE_WITH_CUDA
+  std::vector<GpuCase> shapes;
+  {
+    GpuCase c;
+    c.n_q = c.n_kv = 1000, c.causal = true, c.heads_q = 4, c.heads_kv = 2, c.batch = 2;
+    shapes.push_back(c);
+    c = GpuCase{};
+    c.n_q = 700, c.n_kv = 300, c.causal = true, c.heads_q = 3, c.heads_kv = 1;
+    shapes.push_back(c);
+    c = GpuCase{};
+    c.n_q = 300, c.n_kv = 1100, c.head_dim = 64, c.layout = Layout::NHD, c.strided = true;
+    c.batch = 3;
+    shapes.push_back(c);
+  }
+  std::vector<GpuCase> chained_cases;
+  for (const Variant& v : variants()) {
+    for (GpuCase c : shapes) {
+      c.recipe = v.recipe, c.v_per_channel = v.v_per_channel;
+      GpuResult single;
+      {
+        ItemsPerCta one(1);
+        single = run_gpu_case(c, false);
+      }
+      for (int items : {2, 3, 5}) {
+        ItemsPerCta chained(items);
+        const GpuResult r = run_gpu_case(c, false);
+        EXPECT_EQ(r.out_bits, single.out_bits) << c.describe() << ", " << items << " items per CTA";
+        EXPECT_EQ(r.lse, single.lse) << c.describe() << ", " << items << " items per CTA";
+      }
+      chained_cases.push_back(c);
+    }
+  }
+  ItemsPerCta chained(3);
+  expect_cases_within_bounds(chained_cases);
+#endif
+}
+
 // A seeded sweep over recipes, shapes, strides, GQA ratios, causal, dtype and distributions.
 TEST(Sm90Attention, RandomizedAgainstSimulator) {
   SAGE_REQUIRE_GPU();
@@ -259,6 +318,20 @@ TEST(Sm90Sanitize, EveryRecipeTwice) {
     b.heads_q = 8, b.heads_kv = 1, b.n_q = 300, b.n_kv = 100, b.dtype = DType::bf16, b.seed = 1;
     out.push_back(b);
   }));
+}
+
+// Chained work items under the sanitizers: shared memory reused from one item to the next
+// (the Q tile, Q statistics, Q smoothing's key biases) and the ring's phases across items.
+TEST(Sm90Sanitize, ChainedWorkItems) {
+  SAGE_REQUIRE_GPU();
+#ifdef SAGE_WITH_CUDA
+  ItemsPerCta chained(3);
+  expect_cases_within_bounds(for_every_variant([](const GpuCase& base, std::vector<GpuCase>& out) {
+    GpuCase c = base;
+    c.heads_q = 4, c.heads_kv = 2, c.n_q = 700, c.n_kv = 300, c.causal = true;
+    out.push_back(c);
+  }));
+#endif
 }
 
 }  // namespace

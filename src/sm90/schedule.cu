@@ -1,0 +1,62 @@
+#include "sm90/schedule.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+
+#include "sm90/tma_maps.h"
+
+namespace sage::sm90 {
+namespace {
+
+// Each CTA pays a prologue (Q load and quantization, the first K/V round trip through TMA)
+// and an epilogue (normalization, stores) that its own tiles cannot hide, and one CTA fits
+// per SM, so another CTA does not hide them either: at N = 1K (8 K/V tiles per Q tile) they
+// took as long as the tiles (ncu, H100, v8, docs/performance.md). Chained items save the
+// CTA exit and launch and the first K/V round trip of every item but the first (the producer
+// loads the next item's tiles during the epilogue). A CTA takes items until it has about this
+// many K/V tiles. Measured (H100, same-run A/B, docs/performance.md v11): +4-6% whole call at
+// d = 64, N = 1K-2K; within 2% either way at d = 128.
+constexpr int kDefaultCtaTiles = 64;
+// ... but the grid keeps at least this many waves of CTAs, so that the hardware's dynamic
+// scheduling still evens out uneven (causal) items and the last wave stays short.
+constexpr int kMinWaves = 4;
+
+std::atomic<int> g_items_override{0};
+
+int cta_tiles_target() {
+  static const int target = [] {
+    const char* env = std::getenv("SAGE_SM90_CTA_TILES");
+    return env != nullptr ? std::max(0, std::atoi(env)) : kDefaultCtaTiles;
+  }();
+  return target;
+}
+
+int sm_count() {
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) throw_cuda("multiprocessor count", err);
+  return sms;
+}
+
+}  // namespace
+
+void set_items_per_cta_override(int items) { g_items_override.store(std::max(0, items)); }
+
+int items_per_cta(const AttentionParams& p) {
+  if (const int forced = g_items_override.load(); forced > 0) return forced;
+  const int target = cta_tiles_target();
+  if (target == 0) return 1;
+  const int64_t items = int64_t(p.n_q_tiles) * p.heads_q * p.batch;
+  // K/V tiles of an average item: all of them, or about half under a causal mask.
+  const int kv_tiles = (p.n_kv + kBlockKV - 1) / kBlockKV;
+  const int per_item = std::max(1, p.causal ? (kv_tiles + 1) / 2 : kv_tiles);
+  const int64_t by_tiles = std::max(1, target / per_item);
+  const int64_t by_waves = std::max<int64_t>(1, items / (int64_t(kMinWaves) * sm_count()));
+  return int(std::min(by_tiles, by_waves));
+}
+
+}  // namespace sage::sm90

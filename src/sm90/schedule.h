@@ -1,0 +1,17 @@
+// How the attention kernel's work items (Q tiles of a (batch, head)) are split over CTAs.
+#pragma once
+
+#include "sm90/kernel_params.h"
+
+namespace sage::sm90 {
+
+// Work items one CTA runs one after the other (AttentionParams::items_per_cta), for the
+// current device. Tuning override: the environment variable SAGE_SM90_CTA_TILES (read once)
+// sets the K/V tiles a CTA aims for; 0 gives one item per CTA.
+int items_per_cta(const AttentionParams& p);
+
+// Tests: every later launch runs this many items per CTA (0 returns to the choice above), so
+// that chained items can be checked on shapes too small to chain by themselves.
+void set_items_per_cta_override(int items);
+
+}  // namespace sage::sm90
