@@ -74,7 +74,7 @@ struct AttentionParams {
   int64_t lse_stride_b, lse_stride_h, lse_stride_n;
   int batch, heads_q, heads_kv, n_q, n_kv, n_pad, n_q_tiles;
   // Work items (Q tiles of a (batch, head), attention_kernel.cuh's work_item order) that one
-  // CTA runs one after the other; set by launch_attention.
+  // CTA runs one after the other; set by the dispatch from items_per_cta (schedule.h).
   int items_per_cta;
   float sm_scale, sm_scale_log2;
   float p_max;  // P~ is scaled by this before its conversion (448, 127, 1 for fp16, or p_range)

@@ -34,11 +34,20 @@ int cta_tiles_target() {
   return target;
 }
 
+// The current device's SM count, looked up once per device: this runs on every attention
+// call, whose host time is part of what users measure (docs/performance.md).
 int sm_count() {
-  int device = 0, sms = 0;
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> known[kMaxDevices] = {};
+  int device = 0;
   cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) throw_cuda("cudaGetDevice", err);
+  if (device < kMaxDevices)
+    if (const int sms = known[device].load(std::memory_order_relaxed); sms > 0) return sms;
+  int sms = 0;
+  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) throw_cuda("multiprocessor count", err);
+  if (device < kMaxDevices) known[device].store(sms, std::memory_order_relaxed);
   return sms;
 }
 
