@@ -102,7 +102,11 @@ int run_check(const std::vector<std::string>& args) {
        {"causal", "", "causal masking"},
        {"seed", "S", "seed of the synthetic inputs (default 0)"},
        {"json", "FILE", "also write every result as a JSON record"},
-       {"device", "auto|cpu|gpu", "where the recipe runs (default auto: gpu when one is usable)"}},
+       {"device", "auto|cpu|gpu", "where the recipe runs (default auto: gpu when one is usable)"},
+       {"p-range", "P", "scale P~ to [0, P] before quantizing it, instead of the preset's range "
+                        "(recipes whose P has a static scale)"},
+       {"row-sum", "float_p|quantized_p", "what the softmax denominator sums, instead of the "
+                                          "preset's choice"}},
       args);
   if (flags.help()) {
     flags.print_help(std::cout);
@@ -124,6 +128,27 @@ int run_check(const std::vector<std::string>& args) {
   const std::string json = flags.str("json", "");
   if (flags.has("json") && json.empty()) throw UsageError("sage check: --json needs a file name");
   const std::string device_flag = flags.choice("device", "auto", {"auto", "cpu", "gpu"});
+  // Recipe options changed for every checked preset (experiments: is another P range or
+  // row sum as accurate?). The table names the change next to the preset.
+  const int64_t p_range = flags.has("p-range") ? flags.integer("p-range", 0, 1, 65504) : 0;
+  const std::string row_sum = flags.has("row-sum")
+                                  ? flags.choice("row-sum", "float_p", {"float_p", "quantized_p"})
+                                  : "";
+  std::string changed;
+  if (p_range > 0) changed += " p_range=" + std::to_string(p_range);
+  if (!row_sum.empty()) changed += " row_sum=" + row_sum;
+  auto checked_recipe = [&](const std::string& name) {
+    Recipe r = preset(name);
+    if (p_range > 0) {
+      if (r.p_scale != PScale::static_max)
+        throw UsageError("sage check: --p-range applies to recipes whose P has a static scale; " +
+                         name + "'s has none");
+      r.p_range = float(p_range);
+    }
+    if (!row_sum.empty()) r.row_sum = row_sum == "quantized_p" ? RowSum::quantized_p : RowSum::float_p;
+    return r;
+  };
+  for (const std::string& name : recipes) checked_recipe(name);  // usage errors before any work
 
   bool on_gpu = false;
   if (device_flag == "gpu") {
@@ -183,16 +208,18 @@ int run_check(const std::vector<std::string>& args) {
         first ? std::move(first) : std::make_unique<DistributionCase>(dist, shape);
     DistributionCase& dc = *owned;
     for (size_t ri = 0; ri < recipes.size(); ++ri) {
-      const std::string& rn = recipes[ri];
-      const Recipe& recipe = preset(rn);
+      const std::string rn = recipes[ri] + changed;
+      const Recipe recipe = checked_recipe(recipes[ri]);
       progress.step(rn + " " + dist);
       auto base = [&](const std::string& compared) {
         JsonRecord r;
-        r.str("recipe", rn).str("dist", dist).str("compared", compared).str("device", device)
+        r.str("recipe", recipes[ri]).str("dist", dist).str("compared", compared).str("device", device)
             .integer("batch", shape.batch).integer("heads", shape.heads)
             .integer("kv_heads", shape.kv_heads).integer("n", shape.n).integer("d", shape.d)
             .boolean("causal", shape.causal).integer("seed", static_cast<int64_t>(shape.seed))
             .str("dtype", "fp16");
+        if (p_range > 0) r.integer("p_range", p_range);
+        if (!row_sum.empty()) r.str("row_sum", row_sum);
         return r;
       };
       std::vector<uint16_t> sim = dc.simulate(recipe);
@@ -237,7 +264,7 @@ int run_check(const std::vector<std::string>& args) {
     bool same = !refusal[ri][0].empty();
     for (const std::string& m : refusal[ri]) same = same && m == refusal[ri][0];
     if (same && chosen.size() > 1) {
-      table.add({recipes[ri], "all", "unsupported on GPU: " + refusal[ri][0]});
+      table.add({recipes[ri] + changed, "all", "unsupported on GPU: " + refusal[ri][0]});
       continue;
     }
     for (auto& per_dist : rows[ri])
