@@ -95,7 +95,8 @@ if has abenv; then
   # tree, with ab_old/ as the reference side, both built with
   # sage2_8b's kernels only: ENVS="name=VAR=value VAR=value;name=...", every side `sage bench`
   # (AB_SPLIT=1 adds --split), alternated twice in one run. Lines go to $OUT/abenv.txt as
-  # they come, so a run cut short by its time limit still reports.
+  # they come, so a run cut short by its time limit still reports. Time on the H100: the two
+  # builds ~90 s, then ~20 s per side and round for 8 points (~30 s with --split).
   log "env A/B: ${ENVS:-}"
   for side in old new; do
     src=.; [ $side = old ] && src=ab_old
