@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizers, Python package, benchmark.
-# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [profile] [ab] [abenv] [knobs]
+# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [profile] [ab] [knobs]
 # Results land in $OUT (at most 8 files come back): logs, JSON and Markdown.
 # recipes (not a default stage; needs the python stage's package): every preset's whole-call
 # speed at d 64/128, N 1K/4K/16K, non-causal fp16 -> $OUT/h100_recipes.json, the file
@@ -71,55 +71,41 @@ if has quickbench; then
     --json "$OUT/h100.json" --markdown "$OUT/h100.md" 2>&1 | tail -30
 fi
 if has ab; then
-  # A/B of the attention kernel against an older tree in ab_old/ (an untracked copy, e.g.
-  # `git archive <commit> | tar -x -C ab_old`): both `sage bench` whole calls, alternated
-  # twice in one run so that clock drift hits both alike.
-  log "A/B against ab_old/"
-  # AB_OLD_CUDA_FLAGS: build knobs for the old side (e.g. -DSAGE_SM90_PINGPONG=0 on a copy of
-  # this tree, to measure one knob). AB_SPLIT=1 adds `--split` (pre-pass and kernel timed
-  # alone); AB_N, AB_CAUSAL, AB_RECIPE pick the grid.
-  cmake -S ab_old -B build-ab-old -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAGE_BUILD_TESTS=OFF \
-    -DCMAKE_CUDA_FLAGS="${AB_OLD_CUDA_FLAGS:-}" > "$OUT/ab_build.log" 2>&1 && ninja -C build-ab-old -j16 sage_cli >> "$OUT/ab_build.log" 2>&1 ||
-    { tail -20 "$OUT/ab_build.log"; exit 1; }
-  for round in 1 2; do
-    for side in old new; do
-      bin=$BUILD/cli/sage; [ $side = old ] && bin=build-ab-old/cli/sage
-      echo "-- $side (round $round)"
-      timeout 120 $bin bench --recipe ${AB_RECIPE:-sage2_8b} --d 64,128 --n ${AB_N:-1024,4096,16384} \
-        --causal ${AB_CAUSAL:-no} --iters 20 ${AB_SPLIT:+--split} 2>&1 | grep -vE "^ *$|^TOPS" | tail -7
-    done
-  done
-fi
-if has abenv; then
-  # A/B of run-time tuning variables (e.g. SAGE_SM90_CTA_TILES, docs/performance.md) on this
-  # tree, with ab_old/ as the reference side, both built with
-  # sage2_8b's kernels only: ENVS="name=VAR=value VAR=value;name=...", every side `sage bench`
-  # (AB_SPLIT=1 adds --split), alternated twice in one run. Lines go to $OUT/abenv.txt as
-  # they come, so a run cut short by its time limit still reports. Time on the H100: the two
-  # builds ~90 s, then ~20 s per side and round for 8 points (~30 s with --split).
-  log "env A/B: ${ENVS:-}"
+  # A/B against an older tree in ab_old/ (an untracked copy, e.g. `git archive <commit> | tar
+  # -x -C ab_old`), optionally under run-time tuning variables (e.g. SAGE_SM90_CTA_TILES,
+  # docs/performance.md): every side is `sage bench`, alternated twice in one run so that clock
+  # drift hits all alike. ENVS="name=VAR=value VAR=value;name=..." lists this tree's sides
+  # (default: one, "new", as built). AB_OLD_CUDA_FLAGS: build knobs for the old side (e.g. to
+  # measure one knob on a copy of this tree). AB_SPLIT=1 adds `--split` (pre-pass and kernel
+  # timed alone); AB_N, AB_CAUSAL, AB_RECIPE pick the grid. Both sides are built with only
+  # sage2_8b's kernels unless AB_RECIPE names another preset. Lines go to $OUT/ab.txt as they
+  # come, so a run cut short by its time limit still reports. Time on the H100 (sage2_8b): the
+  # two builds ~90 s, then ~20 s per side and round for 8 points (~30 s with --split).
+  log "A/B against ab_old/: ${ENVS:-new=}"
+  recipe=${AB_RECIPE:-sage2_8b}
+  variants=all; [ "$recipe" = sage2_8b ] && variants=e4m3_two_level:per_tile:0
   for side in old new; do
-    src=.; [ $side = old ] && src=ab_old
-    (cmake -S $src -B build-abenv-$side -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAGE_BUILD_TESTS=OFF \
-      -DSAGE_KERNEL_VARIANTS=e4m3_two_level:per_tile:0 > "$OUT/abenv_build_$side.log" 2>&1 &&
-      ninja -C build-abenv-$side -j8 sage_cli >> "$OUT/abenv_build_$side.log" 2>&1) &
+    src=.; flags=${CUDA_FLAGS:-}; [ $side = old ] && src=ab_old && flags=${AB_OLD_CUDA_FLAGS:-}
+    (cmake -S $src -B build-ab-$side -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAGE_BUILD_TESTS=OFF \
+      -DSAGE_KERNEL_VARIANTS=$variants -DCMAKE_CUDA_FLAGS="$flags" > "$OUT/ab_build_$side.log" 2>&1 &&
+      ninja -C build-ab-$side -j8 sage_cli >> "$OUT/ab_build_$side.log" 2>&1) &
   done
   wait
   for side in old new; do
-    [ -x build-abenv-$side/cli/sage ] || { tail -20 "$OUT/abenv_build_$side.log"; exit 1; }
+    [ -x build-ab-$side/cli/sage ] || { tail -20 "$OUT/ab_build_$side.log"; exit 1; }
   done
-  IFS=';' read -r -a envs <<< "${ENVS:-default=}"
+  IFS=';' read -r -a envs <<< "${ENVS:-new=}"
   bench() {
-    timeout 150 "$@" bench --recipe sage2_8b --d 64,128 --n ${AB_N:-1024,4096,16384} \
-      --causal ${AB_CAUSAL:-no} --iters 20 ${AB_SPLIT:+--split} 2>&1 | grep -E "^ *recipe|^sage2"
+    timeout 150 "$@" bench --recipe $recipe --d 64,128 --n ${AB_N:-1024,4096,16384} \
+      --causal ${AB_CAUSAL:-no} --iters 20 ${AB_SPLIT:+--split} 2>&1 | grep -E "^ *recipe|^$recipe"
   }
   for round in 1 2; do
-    echo "-- old (round $round)" | tee -a "$OUT/abenv.txt"
-    bench build-abenv-old/cli/sage | tee -a "$OUT/abenv.txt"
+    echo "-- old (round $round)" | tee -a "$OUT/ab.txt"
+    bench build-ab-old/cli/sage | tee -a "$OUT/ab.txt"
     for kv in "${envs[@]}"; do
       name=${kv%%=*}; vars=${kv#*=}
-      echo "-- $name: $vars (round $round)" | tee -a "$OUT/abenv.txt"
-      bench env $vars build-abenv-new/cli/sage | tee -a "$OUT/abenv.txt"
+      echo "-- $name: $vars (round $round)" | tee -a "$OUT/ab.txt"
+      bench env $vars build-ab-new/cli/sage | tee -a "$OUT/ab.txt"
     done
   done
 fi
