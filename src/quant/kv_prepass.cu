@@ -240,24 +240,32 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
       p.out.k_scale[head * p.n_pad + tile * sm90::kBlockKV + r] =
           rules::symmetric_scale(s_row_amax[r], k_max);
     }
-  } else if (threadIdx.x < sm90::kKScalesPerTile) {
-    const int g = threadIdx.x;
+  } else if (threadIdx.x < 32) {
+    // One warp reduces the row maxima (max is exact in any order): lane l takes rows l, l + 32,
+    // l + 64, l + 96, which all lie in thread group (l % 8) / 2, as do lanes l ^ 1, l ^ 8 and
+    // l ^ 16. (Until v11 four threads each scanned all 128 rows while the CTA waited.)
+    static_assert(sm90::kBlockKV == 128 && sm90::kKScalesPerTile == 4, "lane map");
+    const int lane = threadIdx.x;
     float amax = 0.f;
-    switch (p.k_granularity) {
-      case Granularity::per_thread:
-        for (int r = 0; r < sm90::kBlockKV; ++r)
-          if ((r % 8) / 2 == g) amax = fmaxf(amax, s_row_amax[r]);
-        break;
-      case Granularity::per_tensor:
-        amax = p.out.k_amax[head];
-        break;
-      default:  // per_block and per_warp: every warp reads the whole K tile
-        for (int r = 0; r < sm90::kBlockKV; ++r) amax = fmaxf(amax, s_row_amax[r]);
-        break;
+    for (int r = lane; r < sm90::kBlockKV; r += 32) amax = fmaxf(amax, s_row_amax[r]);
+    for (int off : {1, 8, 16}) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float tile_amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    const int g = lane;  // lanes 0..3 write group g, whose maximum lane 2g holds
+    const float group_amax = __shfl_sync(0xffffffffu, amax, 2 * (g % sm90::kKScalesPerTile));
+    const float both_groups = __shfl_sync(0xffffffffu, tile_amax, 4);
+    if (g < sm90::kKScalesPerTile) {
+      float a;
+      switch (p.k_granularity) {
+        case Granularity::per_thread: a = group_amax; break;
+        case Granularity::per_tensor: a = p.out.k_amax[head]; break;
+        default:  // per_block and per_warp: every warp reads the whole K tile
+          a = fmaxf(tile_amax, both_groups);
+          break;
+      }
+      s_kinv[g] = rules::symmetric_inverse(a, k_max);
+      p.out.k_scale[(head * (p.n_pad / sm90::kBlockKV) + tile) * sm90::kKScalesPerTile + g] =
+          rules::symmetric_scale(a, k_max);
     }
-    s_kinv[g] = rules::symmetric_inverse(amax, k_max);
-    p.out.k_scale[(head * (p.n_pad / sm90::kBlockKV) + tile) * sm90::kKScalesPerTile + g] =
-        rules::symmetric_scale(amax, k_max);
   }
   __syncthreads();
   int8_t* kq = p.out.k + (head * p.n_pad + tile * sm90::kBlockKV) * D + lane_c * 8;
@@ -284,25 +292,54 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
 // V: smooth, scale, encode (E4M3, INT8 or fp16), transpose through s_vt (D rows of `pitch`
 // bytes). 8-bit V takes the P-layout token permutation; fp16 V stays in token order
 // (pv_operand.cuh).
+//
+// A thread works on units of four consecutive stored positions ("quads") x eight channels:
+// it loads the four tokens stored there (one 16-byte row piece each) and writes each channel's
+// four codes as one 32-bit word (fp16: 64 bits). At d = 128 a warp takes 8 quads x 4 channel
+// chunks, so with the 33-word pitch the 32 words of one store land in 32 banks (bank =
+// channel + quad); at d = 64 it takes 4 quads x all 8 chunks (2-way conflicts), so that each
+// load reads whole 128-byte rows: half rows measured 11% slower there (H100, 2026-11-23).
+// (Until v11 each thread stored single bytes of one token's channels: 4x the shared-memory
+// stores, 4-way bank conflicts.)
 template <int D, class T>
 __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, int tile, int h,
                                                 int b, uint8_t* s_vt) {
-  constexpr int kLanesPerRow = D / 8;
-  constexpr int kRowsPerIter = kThreads / kLanesPerRow;
-  constexpr int kRows = sm90::kBlockKV / kRowsPerIter;
-  const int lane_c = threadIdx.x % kLanesPerRow, r0 = threadIdx.x / kLanesPerRow;
+  constexpr int kChunks = D / 8;                 // 8-channel pieces of a token's row
+  constexpr int kQuads = sm90::kBlockKV / 4;     // groups of four stored positions per tile
+  constexpr int kChunksPerWarp = kChunks == 8 ? 8 : 4, kQuadsPerWarp = 32 / kChunksPerWarp;
+  constexpr int kUnits = kQuads * kChunks / kThreads;  // (quad, chunk) units per thread
+  static_assert(kQuads * kChunks % kThreads == 0 && kQuads % kQuadsPerWarp == 0 &&
+                kChunks % kChunksPerWarp == 0, "unit map");
   const int64_t head = (int64_t)b * p.heads_kv + h;
   const bool v_fp16 = p.pv_path == sm90::PVPath::fp16;
   __shared__ float s_vmean[D], s_vinv[D];
 
-  const T* vb = static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h + lane_c * 8;
-  uint4 raw[kRows];
+  auto unit_quad = [](int k) {
+    const int u = threadIdx.x + k * kThreads, w = u / 32, lane = u % 32;
+    return (w % (kQuads / kQuadsPerWarp)) * kQuadsPerWarp + lane % kQuadsPerWarp;
+  };
+  auto unit_chunk = [](int k) {
+    const int u = threadIdx.x + k * kThreads, w = u / 32, lane = u % 32;
+    return (w / (kQuads / kQuadsPerWarp)) * kChunksPerWarp + lane / kQuadsPerWarp;
+  };
+  // The tile token stored at position 4 * quad + i.
+  auto token_at = [&](int quad, int i) {
+    const int pos = 4 * quad + i;
+    return v_fp16 ? pos : 32 * (pos / 32) + pv_token_at_position(pos % 32);
+  };
+
+  const T* vb = static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h;
+  uint4 raw[kUnits][4];
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    const int t = tile * sm90::kBlockKV + r0 + i * kRowsPerIter;
-    raw[i] = t < p.n_kv ? *reinterpret_cast<const uint4*>(vb + (int64_t)t * p.v_stride_n)
-                        : make_uint4(0, 0, 0, 0);
-  }
+  for (int k = 0; k < kUnits; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int t = tile * sm90::kBlockKV + token_at(unit_quad(k), i);
+      // Zeros past n_kv: padding never counts toward a scale.
+      raw[k][i] = t < p.n_kv ? *reinterpret_cast<const uint4*>(vb + (int64_t)t * p.v_stride_n +
+                                                               unit_chunk(k) * 8)
+                             : make_uint4(0, 0, 0, 0);
+    }
   if (threadIdx.x < D) {
     s_vmean[threadIdx.x] = p.out.v_mean[head * D + threadIdx.x];
     s_vinv[threadIdx.x] = p.out.v_inv[head * D + threadIdx.x];
@@ -312,27 +349,34 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
   const int v_bytes = v_fp16 ? 2 : 1;
   const int pitch = v_bytes * kVtPitch8;
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    const int r = r0 + i * kRowsPerIter;
-    const int t = tile * sm90::kBlockKV + r;
-    float y[8];
-    gpu::unpack8<T>(raw[i], y);
-    const int pos = v_fp16 ? r : 32 * (r / 32) + pv_position_of_token(r % 32);
+  for (int k = 0; k < kUnits; ++k) {
+    const int quad = unit_quad(k), c0 = unit_chunk(k) * 8;
+    bool valid[4];
 #pragma unroll
-    for (int j = 0; j < 8; j += 2) {
-      const int c = lane_c * 8 + j;
-      float a = 0.f, bb = 0.f;
-      if (t < p.n_kv) {
-        a = (y[j] - s_vmean[c]) * s_vinv[c];
-        bb = (y[j + 1] - s_vmean[c + 1]) * s_vinv[c + 1];
+    for (int i = 0; i < 4; ++i) valid[i] = tile * sm90::kBlockKV + token_at(quad, i) < p.n_kv;
+    // One 32-bit word (two channels) of the four tokens at a time: 8 floats live, not 32 (the
+    // bf16 variant spilled at 64 registers otherwise).
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      float2 y[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint4& r = raw[k][i];
+        y[i] = gpu::word_to_float2<T>(w == 0 ? r.x : w == 1 ? r.y : w == 2 ? r.z : r.w);
       }
-      const uint32_t two = encode_v_pair(p.pv_path, a, bb);
-      if (v_fp16) {
-        *reinterpret_cast<uint16_t*>(&s_vt[c * pitch + 2 * pos]) = uint16_t(two & 0xFFFF);
-        *reinterpret_cast<uint16_t*>(&s_vt[(c + 1) * pitch + 2 * pos]) = uint16_t(two >> 16);
-      } else {
-        s_vt[c * pitch + pos] = uint8_t(two & 0xFF);
-        s_vt[(c + 1) * pitch + pos] = uint8_t(two >> 8);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int c = c0 + 2 * w + half;
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          v[i] = valid[i] ? ((half ? y[i].y : y[i].x) - s_vmean[c]) * s_vinv[c] : 0.f;
+        const uint32_t lo = encode_v_pair(p.pv_path, v[0], v[1]);
+        const uint32_t hi = encode_v_pair(p.pv_path, v[2], v[3]);
+        if (v_fp16)
+          *reinterpret_cast<uint2*>(&s_vt[c * pitch + 8 * quad]) = make_uint2(lo, hi);
+        else
+          *reinterpret_cast<uint32_t*>(&s_vt[c * pitch + 4 * quad]) = (lo & 0xFFFFu) | (hi << 16);
       }
     }
   }

@@ -28,6 +28,19 @@ __host__ __device__ constexpr int pv_position_of_token(int tok) {
   return 16 * half + 4 * t + i;
 }
 
+// The token stored at position `pos` of a 32-token slice: the inverse of
+// pv_position_of_token. Positions 4t..4t+3 (+16) hold tokens 2t, 2t+1, 2t+8, 2t+9 (+16).
+__host__ __device__ constexpr int pv_token_at_position(int pos) {
+  const int half = pos / 16, t = (pos % 16) / 4, i = pos % 4;
+  return 16 * half + (i < 2 ? 2 * t + i : 8 + 2 * t + (i - 2));
+}
+constexpr bool pv_positions_invert() {
+  for (int tok = 0; tok < 32; ++tok)
+    if (pv_token_at_position(pv_position_of_token(tok)) != tok) return false;
+  return true;
+}
+static_assert(pv_positions_invert(), "pv_token_at_position inverts pv_position_of_token");
+
 template <int D, class T>
 void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream);
 
