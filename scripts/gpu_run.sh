@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizers, Python package, benchmark.
-# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [profile] [ab] [knobs]
+# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [timingmodes] [profile] [ab] [knobs]
 # Results land in $OUT (at most 8 files come back): logs, JSON and Markdown.
 # recipes (not a default stage; needs the python stage's package): every preset's whole-call
 # speed at d 64/128, N 1K/4K/16K, non-causal fp16 -> $OUT/h100_recipes.json, the file
@@ -60,6 +60,10 @@ if has clibench; then
   timeout 300 $BUILD/cli/sage bench --d 64,128 --n 1024,4096,16384 --iters 10 --json "$OUT/clibench.json" 2>&1 | tail -20
   log "torch SDPA alone (same grid)"
   PYTHONUNBUFFERED=1 timeout 300 python3 bench/sdpa_only.py 2>&1 | tail -20
+fi
+if has timingmodes; then
+  log "timing modes: the protocol's synchronized calls against back-to-back calls (needs the python stage's package)"
+  PYTHONUNBUFFERED=1 timeout 300 python3 bench/timing_modes.py 2>&1 | tee "$OUT/timing_modes.txt" | tail -30
 fi
 if has hostbench; then
   log "host time per call (needs the python stage's package)"

@@ -18,7 +18,9 @@ namespace {
 // CTA exit and launch and the first K/V round trip of every item but the first (the producer
 // loads the next item's tiles during the epilogue). A CTA takes items until it has about this
 // many K/V tiles. Measured (H100, same-run A/B, docs/performance.md v11): +4-6% whole call at
-// d = 64, N = 1K-2K; within 2% either way at d = 128.
+// d = 64, N = 1K-2K; within 2% either way at d = 128. Targets of 48 and 72 measured within
+// 2% of 64, going opposite ways at d = 64 and d = 128; 96 (5.2 waves at 1K) lost 7% at d = 128
+// (v12 A/B, bench/results/h100_v12_ab_2026-11-23.md).
 constexpr int kDefaultCtaTiles = 64;
 // ... but the grid keeps at least this many waves of CTAs, so that the hardware's dynamic
 // scheduling still evens out uneven (causal) items and the last wave stays short.
