@@ -81,7 +81,7 @@ if has ab; then
   # drift hits all alike. ENVS="name=VAR=value VAR=value;name=..." lists this tree's sides
   # (default: one, "new", as built). AB_OLD_CUDA_FLAGS: build knobs for the old side (e.g. to
   # measure one knob on a copy of this tree). AB_SPLIT=1 adds `--split` (pre-pass and kernel
-  # timed alone); AB_N, AB_CAUSAL, AB_RECIPE pick the grid. Both sides are built with only
+  # timed alone); AB_N, AB_CAUSAL, AB_RECIPE, AB_DTYPE (fp16, bf16) pick the grid. Both sides are built with only
   # sage2_8b's kernels unless AB_RECIPE names another preset. Lines go to $OUT/ab.txt as they
   # come, so a run cut short by its time limit still reports. Time on the H100 (sage2_8b): the
   # two builds ~90 s, then ~20 s per side and round for 8 points (~30 s with --split).
@@ -101,7 +101,8 @@ if has ab; then
   IFS=';' read -r -a envs <<< "${ENVS:-new=}"
   bench() {
     timeout 150 "$@" bench --recipe $recipe --d 64,128 --n ${AB_N:-1024,4096,16384} \
-      --causal ${AB_CAUSAL:-no} --iters 20 ${AB_SPLIT:+--split} 2>&1 | grep -E "^ *recipe|^$recipe"
+      --causal ${AB_CAUSAL:-no} --dtype ${AB_DTYPE:-fp16} --iters 20 ${AB_SPLIT:+--split} 2>&1 |
+      grep -E "^ *recipe|^$recipe"
   }
   for round in 1 2; do
     echo "-- old (round $round)" | tee -a "$OUT/ab.txt"
