@@ -354,8 +354,8 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
     bool valid[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) valid[i] = tile * sm90::kBlockKV + token_at(quad, i) < p.n_kv;
-    // One 32-bit word (two channels) of the four tokens at a time: 8 floats live, not 32 (the
-    // bf16 variant spilled at 64 registers otherwise).
+    // One 32-bit word (two channels) of the four tokens at a time: 8 floats live, not 32 (with
+    // all 32 the fp16 d = 128 kernel took 80 registers, three CTAs per SM instead of four).
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
       float2 y[4];
