@@ -21,6 +21,7 @@
 #include "sm90/pv_operand.cuh"
 #include "sm90/q_operand.cuh"
 #include "sm90/softmax.cuh"
+#include "sm90/work_order.h"
 #include "sm90/wgmma_ops.cuh"
 
 namespace sage::sm90 {
@@ -93,9 +94,9 @@ __device__ __forceinline__ int kv_tiles_for(const AttentionParams& p, int q0) {
   return min(all, last_key / kBlockKV + 1);
 }
 
-// A CTA's unit of work: one Q tile of one (batch, head). Items are numbered head-major, so
-// that the CTAs running at one time share a head's K/V in L2; causal Q tiles of a head come
-// heaviest first (the diagonal's far end carries the most K/V tiles).
+// A CTA's unit of work: one Q tile of one (batch, head). Items are numbered head-major
+// (work_order.h says which CTA runs which); causal Q tiles of a head are numbered heaviest
+// first (the diagonal's far end carries the most K/V tiles).
 struct WorkItem {
   int q_tile, h, b;
 };
@@ -123,14 +124,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto& s = *reinterpret_cast<SharedStorage<D, PV::kVBytes>*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
-  // Items [w_begin, w_end) in order (AttentionParams::items_per_cta, sm90/schedule.cu): the
-  // producer streams the K/V tiles of all of them through one ring, so the next item's first
-  // tiles are loaded while the consumers run the last one's epilogue, and the next item's Q
-  // rows are prefetched into L2 (below); no CTA exit and launch between items. Both consumer
+  // Up to items_per_cta items (sm90/schedule.cu), in work_order.h's order: the producer
+  // streams the K/V tiles of all of them through one ring, so the next item's first tiles are
+  // loaded while the consumers run the last one's epilogue, and the next item's Q rows are
+  // prefetched into L2 (below); no CTA exit and launch between items. Both consumer
   // warpgroups work on the same item, within a stage or two of each other.
-  const int items = p.n_q_tiles * p.heads_q * p.batch;
-  const int w_begin = blockIdx.x * p.items_per_cta;
-  const int w_end = min(items, w_begin + p.items_per_cta);
+  const CtaItems mine =
+      cta_items(p.n_q_tiles, p.heads_q * p.batch, p.items_per_cta, p.causal, blockIdx.x);
   const int warpgroup = threadIdx.x / 128;
   const int group_size = p.heads_q / p.heads_kv;
 
@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // A V tile row is kBlockKV * VBytes bytes: one 128-byte swizzle span per TMA box.
       constexpr int kVBoxes = PV::kVBytes;
       int fill = 0;  // K/V tiles put into the ring so far, over all items
-      for (int w = w_begin; w < w_end; ++w) {
+      for (int w = mine.begin; w < mine.end; w += item_step(p.n_q_tiles, p.causal)) {
         const WorkItem item = work_item(p, w);
         const int hk = item.h / group_size;
         const int k_row0 = (item.b * p.heads_kv + hk) * p.n_pad;
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // that finished an item must not overwrite them before the other has read the last item's.
   const bool q_stats_shared = p.smooth_q || p.q_granularity == Granularity::per_block;
   int consumed = 0;  // K/V tiles taken from the ring by this CTA's earlier items
-  for (int w = w_begin; w < w_end; ++w) {
+  for (int w = mine.begin; w < mine.end; w += item_step(p.n_q_tiles, p.causal)) {
     // The thread's coordinates, recomputed per item from an opaque copy of its index: left
     // loop-invariant, the compiler hoisted everything the prologue and epilogue derive from
     // them (Q and output addresses, swizzled offsets) out of the item loop, where they stayed
@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t kv_head = (int64_t)b * p.heads_kv + hk;
     auto stage_of = [&](int it) { return (consumed + it) % kStages; };
     auto phase_of = [&](int it) { return ((consumed + it) / kStages) & 1; };
-    if (w > w_begin && q_stats_shared) named_barrier_sync(1, 256);
+    if (w > mine.begin && q_stats_shared) named_barrier_sync(1, 256);
 
     const T* q_head = q_head_of(item);
     const float* q_scale_head = p.q_scale ? p.q_scale + b * p.qs_stride_b + h * p.qs_stride_h : nullptr;
@@ -238,8 +238,8 @@ __global__ void __launch_bounds__(kThreads, 1)
              want_lse && p.smooth_k);
     // The next item's Q rows into L2 (one 128-byte line per consumer thread, 2 per row at most),
     // so that its load in the next prologue does not wait for DRAM.
-    if (w + 1 < w_end) {
-      const WorkItem next = work_item(p, w + 1);
+    if (const int w_next = w + item_step(p.n_q_tiles, p.causal); w_next < mine.end) {
+      const WorkItem next = work_item(p, w_next);
       const int row = next.q_tile * kBlockQ + (threadIdx.x - 128) % kBlockQ;
       const int line = (threadIdx.x - 128) / kBlockQ;
       const int elem_bytes = p.q_scale ? 1 : int(sizeof(T));

@@ -9,6 +9,7 @@
 
 #include "sm90/attention_kernel.cuh"
 #include "sm90/tma_maps.h"
+#include "sm90/work_order.h"
 
 namespace sage::sm90 {
 
@@ -23,8 +24,7 @@ void launch_attention(const AttentionParams& p, const AttentionMaps& maps, cudaS
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   });
   if (attribute_error != cudaSuccess) throw_cuda("cudaFuncSetAttribute(attention)", attribute_error);
-  const int64_t items = int64_t(p.n_q_tiles) * p.heads_q * p.batch;
-  const dim3 grid(unsigned((items + p.items_per_cta - 1) / p.items_per_cta));
+  const dim3 grid(unsigned(cta_count(p.n_q_tiles, p.heads_q * p.batch, p.items_per_cta, p.causal)));
   kernel<<<grid, kThreads, smem, stream>>>(maps.k, maps.v, p);
 }
 

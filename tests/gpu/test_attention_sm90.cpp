@@ -215,7 +215,8 @@ class ItemsPerCta {
 // must equal one item per CTA, and the chained run must stay within the simulator bounds
 // (which also checks that every output element is written). The shapes give items of uneven
 // length (causal), items with no K/V tile (n_q > n_kv, causal), heads changing inside a
-// CTA's run (GQA, batch), and an item count that the items per CTA do not divide.
+// CTA's run (GQA, batch), and an item count that the items per CTA do not divide (without a
+// mask, work_order.h's grouped order with a last, partial group of heads).
 TEST(Sm90Attention, ChainedWorkItemsPerCta) {
   SAGE_REQUIRE_GPU();
 #ifdef SAGE_WITH_CUDA
