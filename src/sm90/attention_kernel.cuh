@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // prefetched into L2 (below); no CTA exit and launch between items. Both consumer
   // warpgroups work on the same item, within a stage or two of each other.
   const CtaItems mine =
-      cta_items(p.n_q_tiles, p.heads_q * p.batch, p.items_per_cta, p.causal, blockIdx.x);
+      cta_items(p.n_q_tiles, p.heads_q * p.batch, p.items_per_cta, p.grouped_order, blockIdx.x);
   const int warpgroup = threadIdx.x / 128;
   const int group_size = p.heads_q / p.heads_kv;
 
@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // A V tile row is kBlockKV * VBytes bytes: one 128-byte swizzle span per TMA box.
       constexpr int kVBoxes = PV::kVBytes;
       int fill = 0;  // K/V tiles put into the ring so far, over all items
-      for (int w = mine.begin; w < mine.end; w += item_step(p.n_q_tiles, p.causal)) {
+      for (int w = mine.begin; w < mine.end; w += item_step(p.n_q_tiles, p.grouped_order)) {
         const WorkItem item = work_item(p, w);
         const int hk = item.h / group_size;
         const int k_row0 = (item.b * p.heads_kv + hk) * p.n_pad;
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // that finished an item must not overwrite them before the other has read the last item's.
   const bool q_stats_shared = p.smooth_q || p.q_granularity == Granularity::per_block;
   int consumed = 0;  // K/V tiles taken from the ring by this CTA's earlier items
-  for (int w = mine.begin; w < mine.end; w += item_step(p.n_q_tiles, p.causal)) {
+  for (int w = mine.begin; w < mine.end; w += item_step(p.n_q_tiles, p.grouped_order)) {
     // The thread's coordinates, recomputed per item from an opaque copy of its index: left
     // loop-invariant, the compiler hoisted everything the prologue and epilogue derive from
     // them (Q and output addresses, swizzled offsets) out of the item loop, where they stayed
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, 1)
              want_lse && p.smooth_k);
     // The next item's Q rows into L2 (one 128-byte line per consumer thread, 2 per row at most),
     // so that its load in the next prologue does not wait for DRAM.
-    if (const int w_next = w + item_step(p.n_q_tiles, p.causal); w_next < mine.end) {
+    if (const int w_next = w + item_step(p.n_q_tiles, p.grouped_order); w_next < mine.end) {
       const WorkItem next = work_item(p, w_next);
       const int row = next.q_tile * kBlockQ + (threadIdx.x - 128) % kBlockQ;
       const int line = (threadIdx.x - 128) / kBlockQ;

@@ -24,7 +24,7 @@ void launch_attention(const AttentionParams& p, const AttentionMaps& maps, cudaS
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   });
   if (attribute_error != cudaSuccess) throw_cuda("cudaFuncSetAttribute(attention)", attribute_error);
-  const dim3 grid(unsigned(cta_count(p.n_q_tiles, p.heads_q * p.batch, p.items_per_cta, p.causal)));
+  const dim3 grid(unsigned(cta_count(p.n_q_tiles, p.heads_q * p.batch, p.items_per_cta, p.grouped_order)));
   kernel<<<grid, kThreads, smem, stream>>>(maps.k, maps.v, p);
 }
 

@@ -76,6 +76,9 @@ struct AttentionParams {
   // Work items (Q tiles of a (batch, head), attention_kernel.cuh's work_item order) that one
   // CTA runs one after the other; set by the dispatch from items_per_cta (schedule.h).
   int items_per_cta;
+  // Which CTA runs which items (work_order.h): the grouped order, or the consecutive one.
+  // Set by the dispatch from use_grouped_order (schedule.h).
+  bool grouped_order;
   float sm_scale, sm_scale_log2;
   float p_max;  // P~ is scaled by this before its conversion (448, 127, 1 for fp16, or p_range)
   Granularity q_granularity;

@@ -27,6 +27,7 @@ constexpr int kDefaultCtaTiles = 64;
 constexpr int kMinWaves = 4;
 
 std::atomic<int> g_items_override{0};
+std::atomic<WorkOrderOverride> g_order_override{WorkOrderOverride::automatic};
 
 int cta_tiles_target() {
   static const int target = [] {
@@ -36,22 +37,25 @@ int cta_tiles_target() {
   return target;
 }
 
-// The current device's SM count, looked up once per device: this runs on every attention
-// call, whose host time is part of what users measure (docs/performance.md).
-int sm_count() {
+// One of the current device's attributes, looked up once per device: this runs on every
+// attention call, whose host time is part of what users measure (docs/performance.md).
+template <cudaDeviceAttr kAttribute>
+int device_attribute(const char* what) {
   constexpr int kMaxDevices = 64;
   static std::atomic<int> known[kMaxDevices] = {};
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) throw_cuda("cudaGetDevice", err);
   if (device < kMaxDevices)
-    if (const int sms = known[device].load(std::memory_order_relaxed); sms > 0) return sms;
-  int sms = 0;
-  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) throw_cuda("multiprocessor count", err);
-  if (device < kMaxDevices) known[device].store(sms, std::memory_order_relaxed);
-  return sms;
+    if (const int value = known[device].load(std::memory_order_relaxed); value > 0) return value;
+  int value = 0;
+  err = cudaDeviceGetAttribute(&value, kAttribute, device);
+  if (err != cudaSuccess) throw_cuda(what, err);
+  if (device < kMaxDevices) known[device].store(value, std::memory_order_relaxed);
+  return value;
 }
+int sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>("multiprocessor count"); }
+int l2_bytes() { return device_attribute<cudaDevAttrL2CacheSize>("L2 cache size"); }
 
 }  // namespace
 
@@ -69,5 +73,29 @@ int items_per_cta(const AttentionParams& p) {
   const int64_t by_waves = std::max<int64_t>(1, items / (int64_t(kMinWaves) * sm_count()));
   return int(std::min(by_tiles, by_waves));
 }
+
+// The consecutive order (work_order.h) keeps a head's Q tiles on one CTA, which then re-reads
+// the head's K/V from L2 for each of them, if it is still there: the CTAs resident together
+// work on up to one head each. When their heads' K/V exceeds half the L2, the grouped order
+// (a head's Q tiles on resident CTAs side by side) is taken. Measured (H100, 50 MB L2, 132
+// SMs, same-run A/B, docs/performance.md v13): d = 128, N = 1K (35 MB): grouped +6% kernel
+// only (+4% whole call); d = 64, N = 1K (17 MB): grouped -3% kernel only, so consecutive
+// stays; N >= 4K (a few heads in flight either way): within 1%. Causal launches keep the
+// consecutive order, which balances the diagonal's uneven items.
+bool use_grouped_order(const AttentionParams& p, int head_dim, int v_bytes) {
+  switch (g_order_override.load()) {
+    case WorkOrderOverride::consecutive: return false;
+    case WorkOrderOverride::grouped: return true;
+    case WorkOrderOverride::automatic: break;
+  }
+  if (p.causal) return false;
+  const int64_t resident_ctas = sm_count();
+  const int64_t heads_in_flight = std::min<int64_t>(
+      resident_ctas, std::max<int64_t>(1, resident_ctas * p.items_per_cta / p.n_q_tiles));
+  const int64_t head_kv_bytes = int64_t(p.n_pad) * head_dim * (1 + v_bytes);  // INT8 K, V
+  return heads_in_flight * head_kv_bytes > l2_bytes() / 2;
+}
+
+void set_work_order_override(WorkOrderOverride order) { g_order_override.store(order); }
 
 }  // namespace sage::sm90

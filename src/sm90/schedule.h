@@ -10,8 +10,17 @@ namespace sage::sm90 {
 // sets the K/V tiles a CTA aims for; 0 gives one item per CTA.
 int items_per_cta(const AttentionParams& p);
 
+// Whether the launch uses work_order.h's grouped order (else the consecutive one), for the
+// current device: call after items_per_cta is set. head_dim, v_bytes: the kernel's D and
+// bytes per stored V element, which size a head's K/V.
+bool use_grouped_order(const AttentionParams& p, int head_dim, int v_bytes);
+
 // Tests: every later launch runs this many items per CTA (0 returns to the choice above), so
 // that chained items can be checked on shapes too small to chain by themselves.
 void set_items_per_cta_override(int items);
+
+// Tests: every later launch uses this order (automatic returns to the choice above).
+enum class WorkOrderOverride { automatic, consecutive, grouped };
+void set_work_order_override(WorkOrderOverride order);
 
 }  // namespace sage::sm90

@@ -1,7 +1,8 @@
 // The attention kernel's work order (src/sm90/work_order.h), checked on the host: every work
 // item is run by exactly one CTA, no CTA runs more than items_per_cta, the grid has the CTAs
-// the order needs, and the two properties the order is for hold: without a causal mask the
-// CTAs of a round share heads (K/V served from L2), with one each CTA runs consecutive items.
+// the order needs, and the property each order is for holds: in the grouped order the CTAs of
+// a round share a head (K/V served from L2), in the consecutive one each CTA runs consecutive
+// items (a head's heavy and light tiles of a causal diagonal together).
 #include <gtest/gtest.h>
 
 #include <set>
@@ -17,13 +18,13 @@ struct Shape {
 };
 
 // The items of every CTA, in its order.
-std::vector<std::vector<int>> runs(const Shape& s, bool causal) {
+std::vector<std::vector<int>> runs(const Shape& s, bool grouped) {
   std::vector<std::vector<int>> all;
-  const int64_t ctas = cta_count(s.n_q_tiles, s.head_batches, s.per_cta, causal);
+  const int64_t ctas = cta_count(s.n_q_tiles, s.head_batches, s.per_cta, grouped);
   for (int c = 0; c < ctas; ++c) {
-    const CtaItems mine = cta_items(s.n_q_tiles, s.head_batches, s.per_cta, causal, c);
+    const CtaItems mine = cta_items(s.n_q_tiles, s.head_batches, s.per_cta, grouped, c);
     std::vector<int> items;
-    for (int w = mine.begin; w < mine.end; w += item_step(s.n_q_tiles, causal)) items.push_back(w);
+    for (int w = mine.begin; w < mine.end; w += item_step(s.n_q_tiles, grouped)) items.push_back(w);
     all.push_back(items);
   }
   return all;
@@ -38,11 +39,11 @@ const std::vector<Shape>& shapes() {
 }
 
 TEST(WorkOrder, EveryItemOnceAndAtMostPerCtaItemsPerCta) {
-  for (bool causal : {false, true})
+  for (bool grouped : {false, true})
     for (const Shape& s : shapes()) {
       const int items = s.n_q_tiles * s.head_batches;
       std::vector<int> seen(static_cast<size_t>(items), 0);
-      for (const std::vector<int>& mine : runs(s, causal)) {
+      for (const std::vector<int>& mine : runs(s, grouped)) {
         EXPECT_LE(static_cast<int>(mine.size()), s.per_cta);
         for (int w : mine) {
           ASSERT_GE(w, 0);
@@ -52,26 +53,26 @@ TEST(WorkOrder, EveryItemOnceAndAtMostPerCtaItemsPerCta) {
       }
       for (int w = 0; w < items; ++w)
         ASSERT_EQ(seen[static_cast<size_t>(w)], 1)
-            << "item " << w << " causal " << causal << " shape " << s.n_q_tiles << "x"
+            << "item " << w << " grouped " << grouped << " shape " << s.n_q_tiles << "x"
             << s.head_batches << " per CTA " << s.per_cta;
     }
 }
 
 // No CTA of the grid is idle except in a last, partial group of heads.
 TEST(WorkOrder, GridHasNoEmptyCtaWhenTheHeadsDivide) {
-  for (bool causal : {false, true})
+  for (bool grouped : {false, true})
     for (const Shape& s : shapes()) {
       if (s.head_batches % s.per_cta != 0) continue;
-      for (const std::vector<int>& mine : runs(s, causal)) EXPECT_FALSE(mine.empty());
+      for (const std::vector<int>& mine : runs(s, grouped)) EXPECT_FALSE(mine.empty());
     }
 }
 
-// Without a mask, round r of the CTAs of a group runs the Q tiles of one head, all of them:
-// the heads in flight are as few as the groups (d = 128, N = 1K: 132 resident CTAs, 17
+// In the grouped order, round r of the CTAs of a group runs the Q tiles of one head, all of
+// them: the heads in flight are as few as the groups (d = 128, N = 1K: 132 resident CTAs, 17
 // heads, where the consecutive order had 132).
-TEST(WorkOrder, NonCausalRoundsOfAGroupShareOneHead) {
+TEST(WorkOrder, GroupedRoundsOfAGroupShareOneHead) {
   for (const Shape& s : shapes()) {
-    const std::vector<std::vector<int>> all = runs(s, false);
+    const std::vector<std::vector<int>> all = runs(s, true);
     for (size_t g = 0; g * s.n_q_tiles < all.size(); ++g)
       for (int r = 0; r < s.per_cta; ++r) {
         std::set<int> heads, tiles;
@@ -88,11 +89,11 @@ TEST(WorkOrder, NonCausalRoundsOfAGroupShareOneHead) {
   }
 }
 
-// With a mask, a CTA runs consecutive items (a head's heavy and light tiles together).
-TEST(WorkOrder, CausalCtasRunConsecutiveItems) {
+// In the consecutive order a CTA runs consecutive items.
+TEST(WorkOrder, ConsecutiveCtasRunConsecutiveItems) {
   for (const Shape& s : shapes()) {
     int c = 0;
-    for (const std::vector<int>& mine : runs(s, true)) {
+    for (const std::vector<int>& mine : runs(s, false)) {
       for (size_t i = 0; i < mine.size(); ++i)
         EXPECT_EQ(mine[i], c * s.per_cta + static_cast<int>(i));
       ++c;

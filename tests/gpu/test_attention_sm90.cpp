@@ -201,11 +201,19 @@ TEST(Sm90Attention, RepeatedRunsAreBitIdentical) {
 }
 
 #ifdef SAGE_WITH_CUDA
-// Pins the number of work items per CTA (sm90/schedule.h) for the test's lifetime.
+// Pins the number of work items per CTA and their order (sm90/schedule.h) for the test's
+// lifetime.
 class ItemsPerCta {
  public:
-  explicit ItemsPerCta(int items) { sm90::set_items_per_cta_override(items); }
-  ~ItemsPerCta() { sm90::set_items_per_cta_override(0); }
+  explicit ItemsPerCta(int items,
+                       sm90::WorkOrderOverride order = sm90::WorkOrderOverride::automatic) {
+    sm90::set_items_per_cta_override(items);
+    sm90::set_work_order_override(order);
+  }
+  ~ItemsPerCta() {
+    sm90::set_items_per_cta_override(0);
+    sm90::set_work_order_override(sm90::WorkOrderOverride::automatic);
+  }
 };
 #endif
 
@@ -213,10 +221,11 @@ class ItemsPerCta {
 // next, so each item must still see its own tiles, in order. The test shapes are too small
 // for the launch to chain items by itself, so the count is pinned: every output and LSE bit
 // must equal one item per CTA, and the chained run must stay within the simulator bounds
-// (which also checks that every output element is written). The shapes give items of uneven
-// length (causal), items with no K/V tile (n_q > n_kv, causal), heads changing inside a
-// CTA's run (GQA, batch), and an item count that the items per CTA do not divide (without a
-// mask, work_order.h's grouped order with a last, partial group of heads).
+// (which also checks that every output element is written). Both of work_order.h's orders
+// run every shape. The shapes give items of uneven length (causal), items with no K/V tile
+// (n_q > n_kv, causal), heads changing inside a CTA's run (GQA, batch), and an item count
+// that the items per CTA do not divide (in the grouped order, a last, partial group of
+// heads).
 TEST(Sm90Attention, ChainedWorkItemsPerCta) {
   SAGE_REQUIRE_GPU();
 #ifdef SAGE_WITH_CUDA
@@ -242,16 +251,20 @@ TEST(Sm90Attention, ChainedWorkItemsPerCta) {
         ItemsPerCta one(1);
         single = run_gpu_case(c, false);
       }
-      for (int items : {2, 3, 5}) {
-        ItemsPerCta chained(items);
-        const GpuResult r = run_gpu_case(c, false);
-        EXPECT_EQ(r.out_bits, single.out_bits) << c.describe() << ", " << items << " items per CTA";
-        EXPECT_EQ(r.lse, single.lse) << c.describe() << ", " << items << " items per CTA";
-      }
+      for (const auto order : {sm90::WorkOrderOverride::consecutive, sm90::WorkOrderOverride::grouped})
+        for (int items : {2, 3, 5}) {
+          ItemsPerCta chained(items, order);
+          const GpuResult r = run_gpu_case(c, false);
+          const char* order_name = order == sm90::WorkOrderOverride::grouped ? "grouped" : "consecutive";
+          EXPECT_EQ(r.out_bits, single.out_bits)
+              << c.describe() << ", " << items << " items per CTA, " << order_name << " order";
+          EXPECT_EQ(r.lse, single.lse)
+              << c.describe() << ", " << items << " items per CTA, " << order_name << " order";
+        }
       chained_cases.push_back(c);
     }
   }
-  ItemsPerCta chained(3);
+  ItemsPerCta chained(3, sm90::WorkOrderOverride::grouped);
   expect_cases_within_bounds(chained_cases);
 #endif
 }
@@ -326,7 +339,9 @@ TEST(Sm90Sanitize, EveryRecipeTwice) {
 TEST(Sm90Sanitize, ChainedWorkItems) {
   SAGE_REQUIRE_GPU();
 #ifdef SAGE_WITH_CUDA
-  ItemsPerCta chained(3);
+  // Causal items in the grouped order (not a choice the launch makes by itself): CTAs whose
+  // items differ in length, from several heads.
+  ItemsPerCta chained(3, sm90::WorkOrderOverride::grouped);
   expect_cases_within_bounds(for_every_variant([](const GpuCase& base, std::vector<GpuCase>& out) {
     GpuCase c = base;
     c.heads_q = 4, c.heads_kv = 2, c.n_q = 700, c.n_kv = 300, c.causal = true;
