@@ -15,6 +15,7 @@
 
 #include "common/vec_io.cuh"
 #include "sage/quant_rules.h"
+#include "sm90/epilogue.cuh"
 #include "sm90/fragment.cuh"
 #include "sm90/kernel_params.h"
 #include "sm90/ptx.cuh"
@@ -465,6 +466,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       pack_p(sc, alpha, p_sum);
       alpha_pending[0] = alpha[0], alpha_pending[1] = alpha[1];
     }
+    // The epilogue's V channel scales and means, loaded under the last PV MMA: loaded after
+    // it, the first output multiply waited for them (ncu stall samples, d = 128, N = 1K).
+    const float* v_scale = p.kv.v_scale + kv_head * D;
+    const float* v_mean = p.kv.v_mean + kv_head * D;
+    float2 vs[D / 8], vm[D / 8];
+    auto load_v_channel_stats = [&] {
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        vs[j] = *reinterpret_cast<const float2*>(v_scale + 8 * j + 2 * t);
+        vm[j] = p.smooth_v ? *reinterpret_cast<const float2*>(v_mean + 8 * j + 2 * t)
+                           : make_float2(0.f, 0.f);
+      }
+    };
+    if (!(kOverlapPV && n_tiles > 0)) load_v_channel_stats();
     if (kOverlapPV && n_tiles > 0) {
       const int last = stage_of(n_tiles - 1);
       begin_turn();
@@ -472,15 +487,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       end_turn(true);
       wgmma_wait<0>();
       PV::fold(o, pv_acc, pa, alpha_pending);
+      load_v_channel_stats();
       // The last stage goes back to the producer too: with chained items it refills it.
       if (lane == 0) mbar_arrive(&s.empty[last]);
     }
 
     // ---- epilogue: normalize, undo the V scale, add back the V mean, store -----------------
-    // The channel scales and means are loaded into registers before the first store: loaded
-    // where used, every load waited behind the stores before it (they may alias), and with one
-    // IEEE division per element the epilogue took 27% of the stall samples at N = 1K (ncu,
-    // H100, d = 128). One reciprocal per row instead (docs/numerics.md, GPU vs simulator).
+    // One reciprocal per row rather than an IEEE division per element (docs/numerics.md, GPU
+    // vs simulator).
     float l[2], inv_l[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -488,28 +502,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       inv_l[r] = l[r] > 0.f ? __frcp_rn(l[r]) : 0.f;
     }
     T* out_head = static_cast<T*>(p.out) + b * p.o_stride_b + h * p.o_stride_h;
-    const float* v_scale = p.kv.v_scale + kv_head * D;
-    const float* v_mean = p.kv.v_mean + kv_head * D;
-    float2 vs[D / 8], vm[D / 8];
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      vs[j] = *reinterpret_cast<const float2*>(v_scale + 8 * j + 2 * t);
-      vm[j] = p.smooth_v ? *reinterpret_cast<const float2*>(v_mean + 8 * j + 2 * t) : make_float2(0.f, 0.f);
-    }
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      const int c = 8 * j + 2 * t;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        if (rows[r] >= p.n_q) continue;
-        float y0 = 0.f, y1 = 0.f;
-        if (l[r] > 0.f) {  // l sums P~ * p_max: its p_max cancels the one of P's codes
-          y0 = (o[4 * j + 2 * r] * vs[j].x) * inv_l[r] + vm[j].x;
-          y1 = (o[4 * j + 2 * r + 1] * vs[j].y) * inv_l[r] + vm[j].y;
-        }
-        gpu::store2(out_head + (int64_t)rows[r] * p.o_stride_n + c, y0, y1);
-      }
-    }
+    const int warp_row0 = wg_row0 + 16 * warp;
+    const bool aligned16 = reinterpret_cast<uintptr_t>(out_head) % 16 == 0 && p.o_stride_n % 8 == 0;
+    store_output_rows<D, T>(o, inv_l, l, vs, vm, s.q[cw] + 16 * warp * D,
+                            out_head + (int64_t)warp_row0 * p.o_stride_n, p.o_stride_n,
+                            p.n_q - warp_row0, aligned16, lane);
     if (want_lse && t == 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {

@@ -163,6 +163,26 @@ __device__ __forceinline__ int swizzled_offset(int row, int col, int row_bytes) 
   return row * row_bytes + ((chunk ^ xor_with) * 16) + col % 16;
 }
 
+// ---- shared-memory stores and loads ----------------------------------------------------------
+
+// Four 8x8 16-bit matrices into shared memory: piece[i] holds this lane's two elements of
+// matrix i (row lane / 4, columns 2 (lane % 4), +1: an MMA accumulator's layout); lane l gives
+// the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&piece)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+               "r"(piece[0]), "r"(piece[1]), "r"(piece[2]), "r"(piece[3])
+               : "memory");
+}
+
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
 // ---- conversions -----------------------------------------------------------------------------
 
 // Two floats to two E4M3 bytes: `lo` lands in the low byte (cvt puts its first source high).

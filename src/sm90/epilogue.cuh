@@ -1,0 +1,91 @@
+// The output epilogue of a consumer warp: its 16 rows of O, normalized, unscaled and with the
+// V mean added back, converted to fp16/bf16 and written to global memory through shared
+// memory.
+//
+// Why through shared memory: straight from the accumulator layout every thread wrote 32
+// four-byte pieces per item (d = 128), each warp store touching eight rows. The LSU drained
+// them slowly, every following address computation waited for the store before it to read
+// its registers, and the epilogue took 18% of the consumer warps' stall samples at N = 1K
+// (ncu, H100, d = 128, v13). Here `stmatrix` puts the warp's tile into shared memory (one
+// instruction per four 8x8 pieces) and each lane then writes whole 16-byte pieces of rows:
+// a warp store covers four full 128-byte row segments.
+//
+// The staging buffer is the warp's own 16 rows of its warpgroup's Q tile (16 x D bytes): the
+// item's QK MMAs, its only readers, have completed, and the next item's prologue rewrites it.
+// That holds half the warp's output row, so the tile goes out in two column halves.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "sm90/ptx.cuh"
+
+namespace sage::sm90 {
+
+template <class T>
+__device__ __forceinline__ uint32_t pack_out2(float a, float b) {
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+
+// o: the warp's accumulator (fragment.cuh layout); inv_l / l: its two rows' normalizers;
+// vs, vm: V channel scales and means of columns 8j + 2t, +1. stage: the warp's 16 x D bytes of
+// the Q tile (aligned to the swizzle repeat). out_rows: the output row of the warp's first
+// row; rows at or past n_rows are not written. aligned16: out_rows and the row stride allow
+// 16-byte stores (else four 4-byte stores each).
+template <int D, class T>
+__device__ __forceinline__ void store_output_rows(const float (&o)[D / 2], const float (&inv_l)[2],
+                                                  const float (&l)[2], const float2 (&vs)[D / 8],
+                                                  const float2 (&vm)[D / 8], int8_t* stage,
+                                                  T* out_rows, int64_t row_stride, int n_rows,
+                                                  bool aligned16, int lane) {
+  constexpr int kHalfChunks = D / 16;  // 16-byte pieces of a half row: 8-column blocks per half
+  const uint32_t stage_addr = smem_addr(stage);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    // stmatrix x4: pieces (row half 0, block j), (1, j), (0, j + 1), (1, j + 1); lane l gives
+    // the address of row l % 8 of piece l / 8.
+#pragma unroll
+    for (int jj = 0; jj < kHalfChunks; jj += 2) {
+      uint32_t piece[4];
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const int j = half * kHalfChunks + jj + m / 2, r = m % 2;
+        float y0 = 0.f, y1 = 0.f;
+        if (l[r] > 0.f) {  // l sums P~ * p_max: its p_max cancels the one of P's codes
+          y0 = (o[4 * j + 2 * r] * vs[j].x) * inv_l[r] + vm[j].x;
+          y1 = (o[4 * j + 2 * r + 1] * vs[j].y) * inv_l[r] + vm[j].y;
+        }
+        piece[m] = pack_out2<T>(y0, y1);
+      }
+      const int m = lane / 8, row = 8 * (m % 2) + lane % 8, chunk = jj + m / 2;
+      stmatrix_x4(stage_addr + swizzled_offset(row, 16 * chunk, D), piece);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < 16 * kHalfChunks / 32; ++k) {
+      const int q = 32 * k + lane, row = q / kHalfChunks, chunk = q % kHalfChunks;
+      const uint4 v = ld_shared_v4(stage_addr + swizzled_offset(row, 16 * chunk, D));
+      if (row < n_rows) {
+        T* dst = out_rows + row * row_stride + half * (D / 2) + 8 * chunk;
+        if (aligned16) {
+          *reinterpret_cast<uint4*>(dst) = v;
+        } else {
+          uint32_t* d4 = reinterpret_cast<uint32_t*>(dst);
+          d4[0] = v.x, d4[1] = v.y, d4[2] = v.z, d4[3] = v.w;
+        }
+      }
+    }
+    __syncwarp();  // every lane has read this half before it is overwritten
+  }
+}
+
+}  // namespace sage::sm90
