@@ -466,20 +466,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       pack_p(sc, alpha, p_sum);
       alpha_pending[0] = alpha[0], alpha_pending[1] = alpha[1];
     }
-    // The epilogue's V channel scales and means, loaded under the last PV MMA: loaded after
-    // it, the first output multiply waited for them (ncu stall samples, d = 128, N = 1K).
-    const float* v_scale = p.kv.v_scale + kv_head * D;
-    const float* v_mean = p.kv.v_mean + kv_head * D;
-    float2 vs[D / 8], vm[D / 8];
-    auto load_v_channel_stats = [&] {
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        vs[j] = *reinterpret_cast<const float2*>(v_scale + 8 * j + 2 * t);
-        vm[j] = p.smooth_v ? *reinterpret_cast<const float2*>(v_mean + 8 * j + 2 * t)
-                           : make_float2(0.f, 0.f);
-      }
-    };
-    if (!(kOverlapPV && n_tiles > 0)) load_v_channel_stats();
     if (kOverlapPV && n_tiles > 0) {
       const int last = stage_of(n_tiles - 1);
       begin_turn();
@@ -487,7 +473,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       end_turn(true);
       wgmma_wait<0>();
       PV::fold(o, pv_acc, pa, alpha_pending);
-      load_v_channel_stats();
       // The last stage goes back to the producer too: with chained items it refills it.
       if (lane == 0) mbar_arrive(&s.empty[last]);
     }
@@ -504,7 +489,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     T* out_head = static_cast<T*>(p.out) + b * p.o_stride_b + h * p.o_stride_h;
     const int warp_row0 = wg_row0 + 16 * warp;
     const bool aligned16 = reinterpret_cast<uintptr_t>(out_head) % 16 == 0 && p.o_stride_n % 8 == 0;
-    store_output_rows<D, T>(o, inv_l, l, vs, vm, s.q[cw] + 16 * warp * D,
+    store_output_rows<D, T>(o, inv_l, l, p.kv.v_scale + kv_head * D,
+                            p.smooth_v ? p.kv.v_mean + kv_head * D : nullptr, s.q[cw] + 16 * warp * D,
                             out_head + (int64_t)warp_row0 * p.o_stride_n, p.o_stride_n,
                             p.n_q - warp_row0, aligned16, lane);
     if (want_lse && t == 0) {

@@ -37,18 +37,28 @@ __device__ __forceinline__ uint32_t pack_out2(float a, float b) {
 }
 
 // o: the warp's accumulator (fragment.cuh layout); inv_l / l: its two rows' normalizers;
-// vs, vm: V channel scales and means of columns 8j + 2t, +1. stage: the warp's 16 x D bytes of
+// v_scale, v_mean: the head's V channel scales and means (v_mean null: zeros). stage: the warp's 16 x D bytes of
 // the Q tile (aligned to the swizzle repeat). out_rows: the output row of the warp's first
 // row; rows at or past n_rows are not written. aligned16: out_rows and the row stride allow
 // 16-byte stores (else four 4-byte stores each).
 template <int D, class T>
 __device__ __forceinline__ void store_output_rows(const float (&o)[D / 2], const float (&inv_l)[2],
-                                                  const float (&l)[2], const float2 (&vs)[D / 8],
-                                                  const float2 (&vm)[D / 8], int8_t* stage,
+                                                  const float (&l)[2], const float* v_scale,
+                                                  const float* v_mean, int8_t* stage,
                                                   T* out_rows, int64_t row_stride, int n_rows,
                                                   bool aligned16, int lane) {
   constexpr int kHalfChunks = D / 16;  // 16-byte pieces of a half row: 8-column blocks per half
   const uint32_t stage_addr = smem_addr(stage);
+  const int t = lane % 4;
+  // The channel scales and means of columns 8j + 2t, +1, all requested before the first use
+  // (one at a time, each multiply waited for its load); the compiler keeps what registers
+  // allow in flight (all 2 x D / 4 of them next to O spilled the K/V loop, ptxas, d = 128).
+  float2 vs[D / 8], vm[D / 8];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    vs[j] = *reinterpret_cast<const float2*>(v_scale + 8 * j + 2 * t);
+    vm[j] = v_mean ? *reinterpret_cast<const float2*>(v_mean + 8 * j + 2 * t) : make_float2(0.f, 0.f);
+  }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     // stmatrix x4: pieces (row half 0, block j), (1, j), (0, j + 1), (1, j + 1); lane l gives
