@@ -37,10 +37,10 @@ __device__ __forceinline__ uint32_t pack_out2(float a, float b) {
 }
 
 // o: the warp's accumulator (fragment.cuh layout); inv_l / l: its two rows' normalizers;
-// v_scale, v_mean: the head's V channel scales and means (v_mean null: zeros). stage: the warp's 16 x D bytes of
-// the Q tile (aligned to the swizzle repeat). out_rows: the output row of the warp's first
-// row; rows at or past n_rows are not written. aligned16: out_rows and the row stride allow
-// 16-byte stores (else four 4-byte stores each).
+// v_scale, v_mean: the head's V channel scales and means (v_mean null: zeros). stage: the
+// warp's 16 x D bytes of the Q tile (aligned to the swizzle repeat). out_rows: the output row
+// of the warp's first row; rows at or past n_rows are not written. aligned16: out_rows and
+// the row stride allow 16-byte stores (else four 4-byte stores each).
 template <int D, class T>
 __device__ __forceinline__ void store_output_rows(const float (&o)[D / 2], const float (&inv_l)[2],
                                                   const float (&l)[2], const float* v_scale,
@@ -51,8 +51,9 @@ __device__ __forceinline__ void store_output_rows(const float (&o)[D / 2], const
   const uint32_t stage_addr = smem_addr(stage);
   const int t = lane % 4;
   // The channel scales and means of columns 8j + 2t, +1, all requested before the first use
-  // (one at a time, each multiply waited for its load); the compiler keeps what registers
-  // allow in flight (all 2 x D / 4 of them next to O spilled the K/V loop, ptxas, d = 128).
+  // (loaded where used, each multiply waited for its load). Loaded here, not by the caller:
+  // as kernel-side arrays filled right after the last PV MMA they spilled 744 bytes of the
+  // d = 128 kernel (ptxas) and cost 5-8% there (docs/performance.md, v13).
   float2 vs[D / 8], vm[D / 8];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) {

@@ -183,10 +183,11 @@ struct HostTensor {
   }
 };
 
-// Row-major shape with, when `strided`, `pad_bytes` of padding after every row of every
-// dimension and a 48-byte storage offset (16-byte steps: what 16-byte vector loads of the
-// kernels need, so the padding tests the strides, not an alignment rule).
-HostTensor make_tensor(DType dtype, const std::vector<int64_t>& shape, bool strided, uint32_t fill) {
+// Row-major shape with, when `strided`, 16 bytes of padding after every row of every
+// dimension and a storage offset of `offset_bytes` (by default 48: 16-byte steps, what the
+// kernels' 16-byte vector loads need, so the padding tests the strides, not an alignment rule).
+HostTensor make_tensor(DType dtype, const std::vector<int64_t>& shape, bool strided, uint32_t fill,
+                       int64_t offset_bytes = 48) {
   HostTensor t;
   t.dtype = dtype;
   t.ndim = int(shape.size());
@@ -195,16 +196,18 @@ HostTensor make_tensor(DType dtype, const std::vector<int64_t>& shape, bool stri
   for (int i = 0; i < t.ndim; ++i) t.shape[i] = shape[i];
   t.strides[t.ndim - 1] = 1;
   for (int i = t.ndim - 2; i >= 0; --i) t.strides[i] = t.shape[i + 1] * t.strides[i + 1] + pad * (t.ndim - 1 - i);
-  t.offset = strided ? 48 / e : 0;
+  t.offset = strided ? offset_bytes / e : 0;
   t.storage.assign(size_t((t.offset + t.shape[0] * t.strides[0] + 16) * e), 0);
   t.fill(fill);
   return t;
 }
 
 // A q/k/v/out tensor in the case's layout: physical order HND b,h,n,d or NHD b,n,h,d.
-HostTensor make_attention_tensor(const GpuCase& c, DType dtype, int64_t heads, int64_t n, uint32_t fill) {
-  if (c.layout == Layout::HND) return make_tensor(dtype, {c.batch, heads, n, c.head_dim}, c.strided, fill);
-  return make_tensor(dtype, {c.batch, n, heads, c.head_dim}, c.strided, fill);
+HostTensor make_attention_tensor(const GpuCase& c, DType dtype, int64_t heads, int64_t n, uint32_t fill,
+                                 int64_t offset_bytes = 48) {
+  if (c.layout == Layout::HND)
+    return make_tensor(dtype, {c.batch, heads, n, c.head_dim}, c.strided, fill, offset_bytes);
+  return make_tensor(dtype, {c.batch, n, heads, c.head_dim}, c.strided, fill, offset_bytes);
 }
 
 uint16_t to_bits(float x, DType dt) { return dt == DType::f16 ? fmt::fp16_bits(x) : fmt::bf16_bits(x); }
@@ -315,7 +318,9 @@ CaseTensors::CaseTensors(const GpuCase& c) : impl_(std::make_unique<Impl>()) {
     m.v_scale = c.v_per_channel ? make_rows(c, {c.batch, c.heads_kv, d}, p.v_scale, kScaleFill)
                                 : make_rows(c, {c.batch, c.heads_kv}, p.v_scale, kScaleFill);
   }
-  m.out = make_attention_tensor(c, c.dtype, c.heads_q, c.n_q, out_poison(c.dtype));
+  // A strided output starts 4 bytes past a 16-byte boundary (the API asks for 4): the
+  // epilogue's 4-byte store path (sm90/epilogue.cuh); unstrided outputs take the 16-byte one.
+  m.out = make_attention_tensor(c, c.dtype, c.heads_q, c.n_q, out_poison(c.dtype), 52);
   uint32_t lse_fill;
   std::memcpy(&lse_fill, &kLsePoison, 4);
   if (c.with_lse) m.lse = make_tensor(DType::f32, {c.batch, c.heads_q, c.n_q}, c.strided, lse_fill);
