@@ -49,12 +49,16 @@ __device__ __forceinline__ void load8(const T* p, float (&x)[8]) { load_vec<8>(p
 template <class T>
 __device__ __forceinline__ void load4(const T* p, float (&x)[4]) { load_vec<4>(p, x); }
 
+// Two floats to two fp16/bf16 values (round to nearest even), packed into one 32-bit word,
+// the first in the low half.
 template <class T>
-__device__ __forceinline__ void store2(T* p, float a, float b) {
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
   if constexpr (std::is_same_v<T, __half>) {
-    *reinterpret_cast<__half2*>(p) = __floats2half2_rn(a, b);
+    const __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
   } else {
-    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
   }
 }
 

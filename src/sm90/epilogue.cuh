@@ -15,26 +15,12 @@
 // That holds half the warp's output row, so the tile goes out in two column halves.
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cstdint>
-#include <type_traits>
 
+#include "common/vec_io.cuh"
 #include "sm90/ptx.cuh"
 
 namespace sage::sm90 {
-
-template <class T>
-__device__ __forceinline__ uint32_t pack_out2(float a, float b) {
-  if constexpr (std::is_same_v<T, __half>) {
-    const __half2 h = __floats2half2_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  } else {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  }
-}
 
 // o: the warp's accumulator (fragment.cuh layout); inv_l / l: its two rows' normalizers;
 // v_scale, v_mean: the head's V channel scales and means (v_mean null: zeros). stage: the
@@ -75,7 +61,7 @@ __device__ __forceinline__ void store_output_rows(const float (&o)[D / 2], const
           y0 = (o[4 * j + 2 * r] * vs[j].x) * inv_l[r] + vm[j].x;
           y1 = (o[4 * j + 2 * r + 1] * vs[j].y) * inv_l[r] + vm[j].y;
         }
-        piece[m] = pack_out2<T>(y0, y1);
+        piece[m] = gpu::pack2<T>(y0, y1);
       }
       const int m = lane / 8, row = 8 * (m % 2) + lane % 8, chunk = jj + m / 2;
       stmatrix_x4(stage_addr + swizzled_offset(row, 16 * chunk, D), piece);
