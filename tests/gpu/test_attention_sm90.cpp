@@ -203,14 +203,14 @@ TEST(Sm90Attention, RepeatedRunsAreBitIdentical) {
 #ifdef SAGE_WITH_CUDA
 // Pins the number of work items per CTA and their order (sm90/schedule.h) for the test's
 // lifetime.
-class ItemsPerCta {
+class PinnedWorkItems {
  public:
-  explicit ItemsPerCta(int items,
-                       sm90::WorkOrderOverride order = sm90::WorkOrderOverride::automatic) {
+  explicit PinnedWorkItems(int items,
+                           sm90::WorkOrderOverride order = sm90::WorkOrderOverride::automatic) {
     sm90::set_items_per_cta_override(items);
     sm90::set_work_order_override(order);
   }
-  ~ItemsPerCta() {
+  ~PinnedWorkItems() {
     sm90::set_items_per_cta_override(0);
     sm90::set_work_order_override(sm90::WorkOrderOverride::automatic);
   }
@@ -248,12 +248,12 @@ TEST(Sm90Attention, ChainedWorkItemsPerCta) {
       c.recipe = v.recipe, c.v_per_channel = v.v_per_channel;
       GpuResult single;
       {
-        ItemsPerCta one(1);
+        PinnedWorkItems one(1);
         single = run_gpu_case(c, false);
       }
       for (const auto order : {sm90::WorkOrderOverride::consecutive, sm90::WorkOrderOverride::grouped})
         for (int items : {2, 3, 5}) {
-          ItemsPerCta chained(items, order);
+          PinnedWorkItems chained(items, order);
           const GpuResult r = run_gpu_case(c, false);
           const char* order_name = order == sm90::WorkOrderOverride::grouped ? "grouped" : "consecutive";
           EXPECT_EQ(r.out_bits, single.out_bits)
@@ -264,7 +264,7 @@ TEST(Sm90Attention, ChainedWorkItemsPerCta) {
       chained_cases.push_back(c);
     }
   }
-  ItemsPerCta chained(3, sm90::WorkOrderOverride::grouped);
+  PinnedWorkItems chained(3, sm90::WorkOrderOverride::grouped);
   expect_cases_within_bounds(chained_cases);
 #endif
 }
@@ -341,7 +341,7 @@ TEST(Sm90Sanitize, ChainedWorkItems) {
 #ifdef SAGE_WITH_CUDA
   // Causal items in the grouped order (not a choice the launch makes by itself): CTAs whose
   // items differ in length, from several heads.
-  ItemsPerCta chained(3, sm90::WorkOrderOverride::grouped);
+  PinnedWorkItems chained(3, sm90::WorkOrderOverride::grouped);
   expect_cases_within_bounds(for_every_variant([](const GpuCase& base, std::vector<GpuCase>& out) {
     GpuCase c = base;
     c.heads_q = 4, c.heads_kv = 2, c.n_q = 700, c.n_kv = 300, c.causal = true;
