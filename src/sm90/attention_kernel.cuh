@@ -67,9 +67,14 @@ constexpr int kThreads = 384;
 // its MMAs" (pingpong, 256 threads: one warpgroup arrives, the other waits).
 // Registers move from the producer (one thread issuing TMA) to the consumers; without it the
 // consumer path spills at the 168-register launch cap.
+// The two budgets use up the CTA's launch allocation exactly, 168 x 384 = 24 x 128 + 240 x 256:
+// setmaxnreg only moves registers within it, and an increase past it never returns (a 32-
+// register producer hung the GPU tests, v14 in docs/performance.md).
 constexpr bool kReallocateRegisters = SAGE_SM90_SETMAXNREG;
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
+static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= (65536 / kThreads) / 8 * 8 * kThreads,
+              "setmaxnreg budgets exceed the CTA's launch allocation: setmaxnreg.inc would hang");
 
 template <int D, int VBytes>
 struct SharedStorage {
