@@ -71,9 +71,10 @@ constexpr int kThreads = 384;
 // setmaxnreg only moves registers within it, and an increase past it never returns (a 32-
 // register producer hung the GPU tests, v14 in docs/performance.md).
 constexpr bool kReallocateRegisters = SAGE_SM90_SETMAXNREG;
+constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168: the register file over the CTA
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
-static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= (65536 / kThreads) / 8 * 8 * kThreads,
+static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kLaunchRegs * kThreads,
               "setmaxnreg budgets exceed the CTA's launch allocation: setmaxnreg.inc would hang");
 
 template <int D, int VBytes>
