@@ -34,7 +34,10 @@ if has sanitize; then
     timeout ${SANITIZE_TIMEOUT:-150} compute-sanitizer --tool $tool --error-exitcode 9 $BUILD/tests/sage_tests_gpu \
       --gtest_filter='Sm90Sanitize.*:Sm90TwoStep.*' \
       > "$OUT/sanitize_$tool.log" 2>&1
-    echo "$tool exit $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
+    rc=$?
+    echo "$tool exit $rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
+    # The first reports on stdout too: the log itself may not come back (the 8-file limit).
+    [ $rc -ne 0 ] && grep -m 12 -A2 -E "^========= (Error|Race|Warning|Invalid)" "$OUT/sanitize_$tool.log"
   done
 fi
 if has python; then

@@ -400,7 +400,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // MMAs do. Every warpgroup has n_tiles + 1 issue turns; warpgroup 1 lets warpgroup 0 start
     // and skips its last hand-over, so that no arrival is left pending on a barrier at exit.
     // (The hand-over restarts with every item; not measured since items were chained.)
-  constexpr bool kPingpong = SAGE_SM90_PINGPONG && kOverlapPV;
+    constexpr bool kPingpong = SAGE_SM90_PINGPONG && kOverlapPV;
     auto begin_turn = [&] {
       if constexpr (kPingpong) named_barrier_sync(6 + cw, 256);
     };
