@@ -82,8 +82,9 @@ if has ab; then
   # -x -C ab_old`), optionally under run-time tuning variables (e.g. SAGE_SM90_CTA_TILES,
   # docs/performance.md): every side is `sage bench`, alternated twice in one run so that clock
   # drift hits all alike. ENVS="name=VAR=value VAR=value;name=..." lists this tree's sides
-  # (default: one, "new", as built). AB_OLD_CUDA_FLAGS: build knobs for the old side (e.g. to
-  # measure one knob on a copy of this tree). AB_SPLIT=1 adds `--split` (pre-pass and kernel
+  # (default: one, "new", as built); OLD_ENVS the same for ab_old's build (default: "old").
+  # AB_OLD_CUDA_FLAGS: build knobs for the old side (e.g. to measure one knob on a copy of
+  # this tree). AB_SPLIT=1 adds `--split` (pre-pass and kernel
   # timed alone); AB_N, AB_CAUSAL, AB_RECIPE, AB_DTYPE (fp16, bf16) pick the grid. Both sides are built with only
   # sage2_8b's kernels unless AB_RECIPE names another preset. Lines go to $OUT/ab.txt as they
   # come, so a run cut short by its time limit still reports. Time on the H100 (sage2_8b): the
@@ -107,9 +108,13 @@ if has ab; then
       --causal ${AB_CAUSAL:-no} --dtype ${AB_DTYPE:-fp16} --iters 20 ${AB_SPLIT:+--split} 2>&1 |
       grep -E "^ *recipe|^$recipe"
   }
+  IFS=';' read -r -a old_envs <<< "${OLD_ENVS:-old=}"
   for round in 1 2; do
-    echo "-- old (round $round)" | tee -a "$OUT/ab.txt"
-    bench build-ab-old/cli/sage | tee -a "$OUT/ab.txt"
+    for kv in "${old_envs[@]}"; do
+      name=${kv%%=*}; vars=${kv#*=}
+      echo "-- $name (old build): $vars (round $round)" | tee -a "$OUT/ab.txt"
+      bench env $vars build-ab-old/cli/sage | tee -a "$OUT/ab.txt"
+    done
     for kv in "${envs[@]}"; do
       name=${kv%%=*}; vars=${kv#*=}
       echo "-- $name: $vars (round $round)" | tee -a "$OUT/ab.txt"
@@ -164,5 +169,11 @@ if has profile; then
     ncu --import "$PB/prof_d$1_n$2.ncu-rep" --page source --print-source sass --csv \
       -k regex:attention_kernel > "$OUT/ncu_sass_d$1_n$2.csv" 2>&1
     echo "sass export: $(wc -l < "$OUT/ncu_sass_d$1_n$2.csv") lines"
+    # Source lines with their SASS (needs a -lineinfo build, e.g. KNOBS="base=-lineinfo"):
+    # which SASS address range is which stage of the kernel (docs/performance.md, "Profile by
+    # pipeline stage").
+    ncu --import "$PB/prof_d$1_n$2.ncu-rep" --page source --print-source cuda,sass --csv \
+      -k regex:attention_kernel > "$OUT/ncu_src_d$1_n$2.csv" 2>&1
+    echo "source export: $(wc -l < "$OUT/ncu_src_d$1_n$2.csv") lines"
   done
 fi

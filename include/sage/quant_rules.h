@@ -25,7 +25,8 @@ SAGE_HD float symmetric_scale(float amax, float qmax) { return amax / qmax; }
 // The multiplier applied before rounding: qmax / amax (0 for an all-zero group).
 SAGE_HD float symmetric_inverse(float amax, float qmax) { return amax > 0.f ? qmax / amax : 0.f; }
 
-// Round to nearest even and clamp to [-qmax, qmax] (cvt.rni.sat + min/max on the GPU).
+// Round to nearest even and clamp to [-qmax, qmax]. (The GPU's Q path gets the same codes
+// without the clamp, which never acts there: docs/numerics.md step 3.)
 SAGE_HD int32_t round_clamp(float x, int qmax) {
   float r = rintf(x);
   r = fminf(fmaxf(r, -static_cast<float>(qmax)), static_cast<float>(qmax));

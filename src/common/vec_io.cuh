@@ -32,23 +32,6 @@ __device__ __forceinline__ void unpack8(const uint4& raw, float (&x)[8]) {
   }
 }
 
-// N consecutive elements (N = 4: 8 bytes, N = 8: 16 bytes) in one vector load.
-template <int N, class T>
-__device__ __forceinline__ void load_vec(const T* p, float (&x)[N]) {
-  static_assert(N == 4 || N == 8, "8- or 16-byte loads");
-  if constexpr (N == 8) {
-    unpack8<T>(*reinterpret_cast<const uint4*>(p), x);
-  } else {
-    const uint2 raw = *reinterpret_cast<const uint2*>(p);
-    const float2 a = word_to_float2<T>(raw.x), b = word_to_float2<T>(raw.y);
-    x[0] = a.x, x[1] = a.y, x[2] = b.x, x[3] = b.y;
-  }
-}
-template <class T>
-__device__ __forceinline__ void load8(const T* p, float (&x)[8]) { load_vec<8>(p, x); }
-template <class T>
-__device__ __forceinline__ void load4(const T* p, float (&x)[4]) { load_vec<4>(p, x); }
-
 // Two floats to two fp16/bf16 values (round to nearest even), packed into one 32-bit word,
 // the first in the low half.
 template <class T>

@@ -36,9 +36,4 @@ __device__ __forceinline__ float warp_max(float x) {
   return x;
 }
 
-__device__ __forceinline__ uint32_t pack_bytes(int32_t b0, int32_t b1, int32_t b2, int32_t b3) {
-  return (uint32_t(b0) & 0xFFu) | ((uint32_t(b1) & 0xFFu) << 8) | ((uint32_t(b2) & 0xFFu) << 16) |
-         ((uint32_t(b3) & 0xFFu) << 24);
-}
-
 }  // namespace sage::sm90::frag

@@ -174,6 +174,10 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&piec
                : "memory");
 }
 
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -196,13 +200,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
-}
-
-// Round to nearest even and saturate to int8 ([-128, 127]; callers clamp to [-qmax, qmax]).
-__device__ __forceinline__ int32_t round_sat_s8(float x) {
-  int32_t r;
-  asm("cvt.rni.sat.s8.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
 }
 
 }  // namespace sage::sm90

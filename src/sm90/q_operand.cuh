@@ -62,19 +62,34 @@ struct QOperand {
             x[kc][half][r][3] = c.w;
           }
     } else {
+      // All 16 loads are issued before any value is used: a row past n_q reads row n_q - 1 (a
+      // valid address) and is zeroed after. (Predicated per row, ptxas put the last load
+      // behind a branch after the other loads' uses: a second L2 round trip per item, ncu,
+      // H100, d = 128, N = 1K, v16 in docs/performance.md.)
+      const bool valid[2] = {rows[0] < p.n_q, rows[1] < p.n_q};
+      const T* row_ptr[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        row_ptr[r] = q_head + (int64_t)min(rows[r], p.n_q - 1) * p.q_stride_n + 4 * t;
+      uint2 raw[kChunks][2][2];
+#pragma unroll
+      for (int kc = 0; kc < kChunks; ++kc)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            raw[kc][half][r] = *reinterpret_cast<const uint2*>(row_ptr[r] + 32 * kc + 16 * half);
 #pragma unroll
       for (int kc = 0; kc < kChunks; ++kc)
 #pragma unroll
         for (int half = 0; half < 2; ++half)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            if (rows[r] < p.n_q) {
-              gpu::load4(q_head + (int64_t)rows[r] * p.q_stride_n + 32 * kc + 16 * half + 4 * t,
-                         x[kc][half][r]);
-            } else {
-#pragma unroll
-              for (int i = 0; i < 4; ++i) x[kc][half][r][i] = 0.f;
-            }
+            // Zeroed as raw words (two selects per four values): +0 in fp16 and bf16.
+            const float2 a = gpu::word_to_float2<T>(valid[r] ? raw[kc][half][r].x : 0u);
+            const float2 b = gpu::word_to_float2<T>(valid[r] ? raw[kc][half][r].y : 0u);
+            float* xs = x[kc][half][r];
+            xs[0] = a.x, xs[1] = a.y, xs[2] = b.x, xs[3] = b.y;
           }
     }
 
@@ -140,8 +155,15 @@ struct QOperand {
         inv[r] = rules::symmetric_inverse(amax[r], q_max);
       }
     }
-    // Prequantized codes may be -128, which the symmetric clamp would move.
-    const int clamp = prequantized ? 128 : p.q_max;
+    // Codes by the 1.5 * 2^23 add (as Int8Pair in pv_operand.cuh): the sum's low byte is the
+    // product rounded to nearest even, in two's complement. No clamp is needed for the codes of
+    // rules::round_clamp: each value is at most its group's amax in magnitude, so
+    // |x * inv| <= q_max (1 + 2^-23)^2 rounds into [-q_max, q_max] (prequantized codes: inv = 1,
+    // exact, -128 included). Finite inputs only, as the simulator. Per element FMUL, FADD and a
+    // quarter of the byte packing, where rintf, the two-sided clamp and the float-to-int
+    // conversion took five instructions (v16).
+    constexpr float kRound = 12582912.f;  // 1.5 * 2^23
+    const uint32_t s_q_addr = smem_addr(s_q);
     const int warp_row0 = 16 * (consumer_warp % 4) + frag::group_of_lane(lane);
 #pragma unroll
     for (int kc = 0; kc < kChunks; ++kc)
@@ -149,12 +171,14 @@ struct QOperand {
       for (int half = 0; half < 2; ++half)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          int32_t c[4];
+          uint32_t c[4];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) c[i] = rules::round_clamp(x[kc][half][r][i] * inv[r], clamp);
+          for (int i = 0; i < 4; ++i)
+            c[i] = __float_as_uint(__fadd_rn(__fmul_rn(x[kc][half][r][i], inv[r]), kRound));
           const int row = warp_row0 + 8 * r, col = 32 * kc + 16 * half + 4 * t;
-          *reinterpret_cast<uint32_t*>(s_q + swizzled_offset(row, col, D)) =
-              frag::pack_bytes(c[0], c[1], c[2], c[3]);
+          st_shared_u32(s_q_addr + swizzled_offset(row, col, D),
+                        __byte_perm(__byte_perm(c[0], c[1], 0x0040), __byte_perm(c[2], c[3], 0x0040),
+                                    0x5410));
         }
     // The MMA reads the tile through the async proxy: make the stores visible to it, then
     // wait for the whole warpgroup (which also publishes s_mean).
