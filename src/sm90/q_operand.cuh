@@ -159,9 +159,9 @@ struct QOperand {
     // product rounded to nearest even, in two's complement. No clamp is needed for the codes of
     // rules::round_clamp: each value is at most its group's amax in magnitude, so
     // |x * inv| <= q_max (1 + 2^-23)^2 rounds into [-q_max, q_max] (prequantized codes: inv = 1,
-    // exact, -128 included). Finite inputs only, as the simulator. Per element FMUL, FADD and a
-    // quarter of the byte packing, where rintf, the two-sided clamp and the float-to-int
-    // conversion took five instructions (v16).
+    // exact, -128 included). Finite inputs only, as the simulator. Per value an FMUL and an
+    // FADD, and three byte permutes per four values, where rintf, the two-sided clamp and the
+    // float-to-int conversion took four instructions beside the FMUL (v16).
     constexpr float kRound = 12582912.f;  // 1.5 * 2^23
     const uint32_t s_q_addr = smem_addr(s_q);
     const int warp_row0 = 16 * (consumer_warp % 4) + frag::group_of_lane(lane);
