@@ -155,14 +155,12 @@ struct QOperand {
         inv[r] = rules::symmetric_inverse(amax[r], q_max);
       }
     }
-    // Codes by the 1.5 * 2^23 add (as Int8Pair in pv_operand.cuh): the sum's low byte is the
-    // product rounded to nearest even, in two's complement. No clamp is needed for the codes of
-    // rules::round_clamp: each value is at most its group's amax in magnitude, so
-    // |x * inv| <= q_max (1 + 2^-23)^2 rounds into [-q_max, q_max] (prequantized codes: inv = 1,
-    // exact, -128 included). Finite inputs only, as the simulator. Per value an FMUL and an
+    // Codes by round_to_low_bits (ptx.cuh): the low byte of the product rounded to nearest
+    // even, in two's complement. No clamp is needed for the codes of rules::round_clamp: each
+    // value is at most its group's amax in magnitude, so |x * inv| <= q_max (1 + 2^-23)^2
+    // rounds into [-q_max, q_max] (prequantized codes: inv = 1, exact, -128 included). Finite inputs only, as the simulator. Per value an FMUL and an
     // FADD, and three byte permutes per four values, where rintf, the two-sided clamp and the
     // float-to-int conversion took four instructions beside the FMUL (v16).
-    constexpr float kRound = 12582912.f;  // 1.5 * 2^23
     const uint32_t s_q_addr = smem_addr(s_q);
     const int warp_row0 = 16 * (consumer_warp % 4) + frag::group_of_lane(lane);
 #pragma unroll
@@ -174,7 +172,7 @@ struct QOperand {
           uint32_t c[4];
 #pragma unroll
           for (int i = 0; i < 4; ++i)
-            c[i] = __float_as_uint(__fadd_rn(__fmul_rn(x[kc][half][r][i], inv[r]), kRound));
+            c[i] = round_to_low_bits(__fmul_rn(x[kc][half][r][i], inv[r]));
           const int row = warp_row0 + 8 * r, col = 32 * kc + 16 * half + 4 * t;
           st_shared_u32(s_q_addr + swizzled_offset(row, col, D),
                         __byte_perm(__byte_perm(c[0], c[1], 0x0040), __byte_perm(c[2], c[3], 0x0040),
