@@ -101,6 +101,18 @@ __device__ __forceinline__ int kv_tiles_for(const AttentionParams& p, int q0) {
   return min(all, last_key / kBlockKV + 1);
 }
 
+// A consumer's place in the K/V ring: the stage it reads next and that stage's fill parity.
+// Carried from tile to tile (and item to item) rather than derived from a tile count, which
+// cost a division by kStages and its fix-ups for each of the two stages a pipelined tile
+// touches (SASS).
+struct RingCursor {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == kStages) stage = 0, phase ^= 1;
+  }
+};
+
 // A CTA's unit of work: one Q tile of one (batch, head). Items are numbered head-major
 // (work_order.h says which CTA runs which); causal Q tiles of a head are numbered heaviest
 // first (the diagonal's far end carries the most K/V tiles).
@@ -196,7 +208,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // s.reduce and s.q_sum (per-block Q scales, Q smoothing) are shared by both warpgroups: one
   // that finished an item must not overwrite them before the other has read the last item's.
   const bool q_stats_shared = p.smooth_q || p.q_granularity == Granularity::per_block;
-  int consumed = 0;  // K/V tiles taken from the ring by this CTA's earlier items
+  RingCursor ring;  // the next K/V tile's stage, over all of this CTA's items
+  // Descriptor low words of stage 0's K and V tiles; a stage's are a constant stride further.
+  const uint32_t k_desc0 = smem_desc_lo(s.k[0]), v_desc0 = smem_desc_lo(s.v[0]);
+  constexpr uint32_t kKStageDesc = sizeof(s.k[0]) / 16, kVStageDesc = sizeof(s.v[0]) / 16;
   for (int w = mine.begin; w < mine.end; w += item_step(p.n_q_tiles, p.grouped_order)) {
     // The thread's coordinates, recomputed per item from an opaque copy of its index: left
     // loop-invariant, the compiler hoisted everything the prologue and epilogue derive from
@@ -215,8 +230,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int wg_row0 = q0 + 64 * cw;
     const int rows[2] = {wg_row0 + 16 * warp + g, wg_row0 + 16 * warp + g + 8};
     const int64_t kv_head = (int64_t)b * p.heads_kv + hk;
-    auto stage_of = [&](int it) { return (consumed + it) % kStages; };
-    auto phase_of = [&](int it) { return ((consumed + it) / kStages) & 1; };
     if (w > mine.begin && q_stats_shared) named_barrier_sync(1, 256);
 
     const T* q_head = q_head_of(item);
@@ -279,15 +292,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     typename PV::Accumulator pv_acc;       // that PV MMA's product
     float alpha_pending[2] = {1.f, 1.f};   // the output rescale that goes with that product
 
+    // This warpgroup's Q tile. The warpgroup index broadcast from lane 0 is known to be
+    // warp-uniform, so the descriptor lives in uniform registers; from the thread index, the
+    // compiler rebuilt it in ordinary ones and moved it across for every MMA (SASS).
+    const uint32_t q_desc =
+        smem_desc_lo(s.q[0]) + uint32_t(__shfl_sync(0xffffffffu, cw, 0)) * (sizeof(s.q[0]) / 16);
     auto issue_qk = [&](int stage) {
+      const uint32_t k_desc = k_desc0 + stage * kKStageDesc;
       wgmma_fence();
-      mma_s8_ss<kBlockKV, false>(sacc, make_smem_desc(s.q[cw], D), make_smem_desc(s.k[stage], D));
+      mma_s8_ss<kBlockKV, false>(sacc, smem_desc<D>(q_desc), smem_desc<D>(k_desc));
 #pragma unroll
       for (int kc = 1; kc < D / 32; ++kc)
-        mma_s8_ss<kBlockKV, true>(sacc, make_smem_desc(s.q[cw] + 32 * kc, D),
-                                  make_smem_desc(s.k[stage] + 32 * kc, D));
+        mma_s8_ss<kBlockKV, true>(sacc, smem_desc<D>(q_desc, 32 * kc), smem_desc<D>(k_desc, 32 * kc));
       wgmma_commit();
     };
+    auto issue_pv = [&](int stage) { PV::issue(pv_acc, pa, v_desc0 + stage * kVStageDesc); };
     // Q smoothing: each thread computes one key's bias while the QK MMA runs.
     auto compute_key_bias = [&](int it, int stage) {
       const int j = threadIdx.x % 128;
@@ -419,9 +438,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // (v3 in docs/performance.md also held the next P and spilled.)
     if constexpr (!kOverlapPV) {
       // One tile at a time: the pipeline's extra live registers spill in this variant.
-      for (int it = 0; it < n_tiles; ++it) {
-        const int stage = stage_of(it);
-        mbar_wait(&s.full[stage], phase_of(it));
+      for (int it = 0; it < n_tiles; ++it, ring.advance()) {
+        const int stage = ring.stage;
+        mbar_wait(&s.full[stage], ring.phase);
         issue_qk(stage);
         const float ks_tile = ks_next;
         ks_next = load_k_scale(it + 1);
@@ -431,19 +450,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         float sc[kBlockKV / 2], alpha[2], p_sum[2];
         tile_to_p(it, ks_tile, sc, alpha, p_sum);
         pack_p(sc, alpha, p_sum);
-        PV::issue(pv_acc, pa, s.v[stage]);
+        issue_pv(stage);
         wgmma_wait<0>();
         PV::fold(o, pv_acc, pa, alpha);
         if (lane == 0) mbar_arrive(&s.empty[stage]);
       }
     }
     if (kOverlapPV && n_tiles > 0) {
-      mbar_wait(&s.full[stage_of(0)], phase_of(0));
+      mbar_wait(&s.full[ring.stage], ring.phase);
       begin_turn();
-      issue_qk(stage_of(0));
+      issue_qk(ring.stage);
       const float ks_tile = ks_next;
       ks_next = load_k_scale(1);
-      if constexpr (SmoothQ) compute_key_bias(0, stage_of(0));
+      if constexpr (SmoothQ) compute_key_bias(0, ring.stage);
       end_turn(false);
       wgmma_wait<0>();
       reg_fence(sacc);
@@ -452,15 +471,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       pack_p(sc, alpha_pending, p_sum);
     }
     for (int it = 1; kOverlapPV && it < n_tiles; ++it) {
-      const int stage = stage_of(it), prev = stage_of(it - 1);
-      mbar_wait(&s.full[stage], phase_of(it));
+      const int prev = ring.stage;
+      ring.advance();
+      const int stage = ring.stage;
+      mbar_wait(&s.full[stage], ring.phase);
       begin_turn();
       issue_qk(stage);  // commit group: S of tile it
       const float ks_tile = ks_next;
       ks_next = load_k_scale(it + 1);
       // Before the PV MMA owns its registers: with both in flight the bias spilled (ptxas).
       if constexpr (SmoothQ) compute_key_bias(it, stage);
-      PV::issue(pv_acc, pa, s.v[prev]);  // commit group: P V of tile it - 1
+      issue_pv(prev);  // commit group: P V of tile it - 1
       end_turn(false);
       wgmma_wait<1>();  // S is ready; the PV MMA may still run
       reg_fence(sacc);
@@ -473,9 +494,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       alpha_pending[0] = alpha[0], alpha_pending[1] = alpha[1];
     }
     if (kOverlapPV && n_tiles > 0) {
-      const int last = stage_of(n_tiles - 1);
+      const int last = ring.stage;
+      ring.advance();
       begin_turn();
-      PV::issue(pv_acc, pa, s.v[last]);
+      issue_pv(last);
       end_turn(true);
       wgmma_wait<0>();
       PV::fold(o, pv_acc, pa, alpha_pending);
@@ -510,7 +532,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         p.lse[b * p.lse_stride_b + h * p.lse_stride_h + (int64_t)rows[r] * p.lse_stride_n] = lse;
       }
     }
-    consumed += n_tiles;
   }
 }
 

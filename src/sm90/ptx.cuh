@@ -144,14 +144,24 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 // A K-major operand tile whose rows are exactly one swizzle span wide (128 or 64 bytes),
 // written by TMA with the matching swizzle. 8-row groups are `8 * row_bytes` apart (SBO);
 // the leading offset is unused because one MMA's K slice stays inside a row.
-__device__ __forceinline__ uint64_t make_smem_desc(const void* tile, int row_bytes) {
-  const uint64_t addr = smem_addr(tile);
-  uint64_t desc = 0;
-  desc |= (addr & 0x3FFFF) >> 4;                          // start address
-  desc |= uint64_t(1) << 16;                              // leading byte offset (unused)
-  desc |= uint64_t((8 * row_bytes) >> 4) << 32;           // stride byte offset
-  desc |= uint64_t(row_bytes == 128 ? 1 : 2) << 62;       // 128B or 64B swizzle
-  return desc;
+//
+// In two halves: the low word carries the start address (>> 4), the high word the stride and
+// swizzle, a constant per row width. The K/V loop keeps one low word per tile and adds each
+// k slice's byte offset to it. Rebuilt from a pointer for every MMA, the descriptors cost
+// ~10 instructions each of address masking, shifts and moves on the warp's issue slots (SASS,
+// d = 128: 114 of a tile's 625 instructions came before its first PV MMA).
+__device__ __forceinline__ uint32_t smem_desc_lo(const void* tile) {
+  return ((smem_addr(tile) & 0x3FFFF) >> 4)  // start address
+         | (1u << 16);                        // leading byte offset (unused)
+}
+// The descriptor `offset` bytes past the tile whose low word is `lo`. Shared memory ends below
+// 256 KiB, so the 14-bit address field never carries into the next one.
+template <int RowBytes>
+__device__ __forceinline__ uint64_t smem_desc(uint32_t lo, uint32_t offset = 0) {
+  static_assert(RowBytes == 128 || RowBytes == 64, "one 128B or 64B swizzle span per row");
+  constexpr uint32_t hi = ((8 * RowBytes) >> 4)                         // stride byte offset
+                          | (uint32_t(RowBytes == 128 ? 1 : 2) << 30);  // 128B or 64B swizzle
+  return (uint64_t(hi) << 32) | (lo + (offset >> 4));
 }
 
 // Byte offset of (row, byte column) in a K-major tile with rows of `row_bytes` (64 or 128)

@@ -15,8 +15,9 @@
 //   pack(p, frags, code_sum)    p: P~ * p_max of the tile (P~ in [0, 1]; p_max the static P
 //                               scale, 1 for fp16), [kBlockKV / 2] in the accumulator layout;
 //                               code_sum: integer P only, the thread's code sums per row
-//   issue(acc, frags, v)        starts the MMAs of the tile on V (the stage's [D rows x
-//                               kBlockKV tokens] tile, K-major, 128B swizzle) as ONE commit
+//   issue(acc, frags, v_desc)   starts the MMAs of the tile on V (the stage's [D rows x
+//                               kBlockKV tokens] tile, K-major, 128B swizzle; v_desc: the
+//                               low word of its descriptor, smem_desc_lo) as ONE commit
 //                               group; frags and acc belong to the MMA until it is waited for
 //   fold(o, acc, frags, alpha)  after the wait: o = o * alpha (the online-softmax rescale of
 //                               rows g, g + 8) + the tile's product
@@ -79,8 +80,8 @@ __device__ __forceinline__ void pack_p_8bit(const float (&p)[N / 2], uint32_t (&
 }
 
 // Descriptor of the k32 slice kc of an 8-bit V tile (rows of kBlockKV = 128 bytes).
-__device__ __forceinline__ uint64_t v8_slice(const uint8_t* v, int kc) {
-  return make_smem_desc(v + 32 * kc, kBlockKV);
+__device__ __forceinline__ uint64_t v8_slice(uint32_t v_desc, int kc) {
+  return smem_desc<kBlockKV>(v_desc, 32 * kc);
 }
 
 template <int D, PVPath Path>
@@ -97,11 +98,11 @@ struct PVOperand<D, PVPath::e4m3_two_level> {
                                               int32_t (&code_sum)[2]) {
     pack_p_8bit<kBlockKV>(p, f.a, code_sum, E4m3Pair{});
   }
-  __device__ __forceinline__ static void issue(Accumulator& acc, Fragments& f, const uint8_t* v) {
+  __device__ __forceinline__ static void issue(Accumulator& acc, Fragments& f, uint32_t v_desc) {
     wgmma_fence();
-    mma_e4m3_rs<D, false>(acc.c, f.a[0], v8_slice(v, 0));
+    mma_e4m3_rs<D, false>(acc.c, f.a[0], v8_slice(v_desc, 0));
 #pragma unroll
-    for (int kc = 1; kc < kBlockKV / 32; ++kc) mma_e4m3_rs<D, true>(acc.c, f.a[kc], v8_slice(v, kc));
+    for (int kc = 1; kc < kBlockKV / 32; ++kc) mma_e4m3_rs<D, true>(acc.c, f.a[kc], v8_slice(v_desc, kc));
     wgmma_commit();
   }
   __device__ __forceinline__ static void fold(float (&o)[D / 2], Accumulator& acc, Fragments& f,
@@ -126,12 +127,12 @@ struct PVOperand<D, PVPath::e4m3_fp16x2> {
                                               int32_t (&code_sum)[2]) {
     pack_p_8bit<kBlockKV>(p, f.a, code_sum, E4m3Pair{});
   }
-  __device__ __forceinline__ static void issue(Accumulator& acc, Fragments& f, const uint8_t* v) {
+  __device__ __forceinline__ static void issue(Accumulator& acc, Fragments& f, uint32_t v_desc) {
     wgmma_fence();
-    mma_e4m3_rs_f16acc<D, false>(acc.pair0, f.a[0], v8_slice(v, 0));
-    mma_e4m3_rs_f16acc<D, true>(acc.pair0, f.a[1], v8_slice(v, 1));
-    mma_e4m3_rs_f16acc<D, false>(acc.pair1, f.a[2], v8_slice(v, 2));
-    mma_e4m3_rs_f16acc<D, true>(acc.pair1, f.a[3], v8_slice(v, 3));
+    mma_e4m3_rs_f16acc<D, false>(acc.pair0, f.a[0], v8_slice(v_desc, 0));
+    mma_e4m3_rs_f16acc<D, true>(acc.pair0, f.a[1], v8_slice(v_desc, 1));
+    mma_e4m3_rs_f16acc<D, false>(acc.pair1, f.a[2], v8_slice(v_desc, 2));
+    mma_e4m3_rs_f16acc<D, true>(acc.pair1, f.a[3], v8_slice(v_desc, 3));
     wgmma_commit();
   }
   __device__ __forceinline__ static void fold(float (&o)[D / 2], Accumulator& acc, Fragments& f,
@@ -178,11 +179,11 @@ struct PVOperand<D, PVPath::fp16> {
         f.a[kc][r] = *reinterpret_cast<const uint32_t*>(&h);
       }
   }
-  __device__ __forceinline__ static void issue(Accumulator& acc, Fragments& f, const uint8_t* v) {
+  __device__ __forceinline__ static void issue(Accumulator& acc, Fragments& f, uint32_t v_desc) {
     wgmma_fence();
-    mma_f16_rs_f16acc<D, false>(acc.c, f.a[0], v16_slice(v, 0));
+    mma_f16_rs_f16acc<D, false>(acc.c, f.a[0], v16_slice(v_desc, 0));
 #pragma unroll
-    for (int kc = 1; kc < kSlices; ++kc) mma_f16_rs_f16acc<D, true>(acc.c, f.a[kc], v16_slice(v, kc));
+    for (int kc = 1; kc < kSlices; ++kc) mma_f16_rs_f16acc<D, true>(acc.c, f.a[kc], v16_slice(v_desc, kc));
     wgmma_commit();
   }
   __device__ __forceinline__ static void fold(float (&o)[D / 2], Accumulator& acc, Fragments& f,
@@ -199,8 +200,8 @@ struct PVOperand<D, PVPath::fp16> {
 
  private:
   // k16 slice kc: 32 bytes into the row of its 64-token half.
-  __device__ __forceinline__ static uint64_t v16_slice(const uint8_t* v, int kc) {
-    return make_smem_desc(v + (kc / 4) * (D * 128) + (kc % 4) * 32, 128);
+  __device__ __forceinline__ static uint64_t v16_slice(uint32_t v_desc, int kc) {
+    return smem_desc<128>(v_desc, (kc / 4) * (D * 128) + (kc % 4) * 32);
   }
 };
 
@@ -216,11 +217,11 @@ struct PVOperand<D, PVPath::int8> {
                                               int32_t (&code_sum)[2]) {
     pack_p_8bit<kBlockKV>(p, f.a, code_sum, Int8Pair{});
   }
-  __device__ __forceinline__ static void issue(Accumulator& acc, Fragments& f, const uint8_t* v) {
+  __device__ __forceinline__ static void issue(Accumulator& acc, Fragments& f, uint32_t v_desc) {
     wgmma_fence();
-    mma_s8_rs<D, false>(acc.c, f.a[0], v8_slice(v, 0));
+    mma_s8_rs<D, false>(acc.c, f.a[0], v8_slice(v_desc, 0));
 #pragma unroll
-    for (int kc = 1; kc < kBlockKV / 32; ++kc) mma_s8_rs<D, true>(acc.c, f.a[kc], v8_slice(v, kc));
+    for (int kc = 1; kc < kBlockKV / 32; ++kc) mma_s8_rs<D, true>(acc.c, f.a[kc], v8_slice(v_desc, kc));
     wgmma_commit();
   }
   __device__ __forceinline__ static void fold(float (&o)[D / 2], Accumulator& acc, Fragments& f,
