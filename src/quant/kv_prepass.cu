@@ -212,11 +212,13 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
   __shared__ float s_row_amax[sm90::kBlockKV];
   __shared__ float s_kinv[sm90::kBlockKV];  // per token, or the tile's per-thread groups
 
-  // Rows past n_kv read as zeros: padding never counts toward a scale. Read from the staged
-  // tile in each of the two passes rather than held in registers across them.
-  auto row_piece = [&](int r) {
-    return tile * sm90::kBlockKV + r < p.n_kv ? staged_piece<D>(rows, r, lane_c) : make_uint4(0, 0, 0, 0);
-  };
+  uint4 raw[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    const int r = r0 + i * kRowsPerIter;
+    // Zeros past n_kv: padding never counts toward a scale.
+    raw[i] = tile * sm90::kBlockKV + r < p.n_kv ? staged_piece<D>(rows, r, lane_c) : make_uint4(0, 0, 0, 0);
+  }
 
   // Each 16-bit value is converted twice (here for the amax, below for the codes) rather
   // than kept as floats: 32 fewer live registers per thread.
@@ -224,7 +226,7 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
   for (int i = 0; i < kRows; ++i) {
     const int r = r0 + i * kRowsPerIter;
     float x[8];
-    gpu::unpack8<T>(row_piece(r), x);
+    gpu::unpack8<T>(raw[i], x);
     float amax = 0.f;
     if (tile * sm90::kBlockKV + r < p.n_kv)
 #pragma unroll
@@ -280,7 +282,7 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
                                                                           : 0];
     const bool valid = tile * sm90::kBlockKV + r < p.n_kv;
     float x[8];
-    gpu::unpack8<T>(row_piece(r), x);
+    gpu::unpack8<T>(raw[i], x);
     uint32_t w[2] = {0, 0};
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -332,6 +334,16 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
     return v_fp16 ? pos : 32 * (pos / 32) + pv_token_at_position(pos % 32);
   };
 
+  uint4 raw[kUnits][4];
+#pragma unroll
+  for (int k = 0; k < kUnits; ++k)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = token_at(unit_quad(k), i);
+      // Zeros past n_kv: padding never counts toward a scale.
+      raw[k][i] = tile * sm90::kBlockKV + r < p.n_kv ? staged_piece<D>(rows, r, unit_chunk(k))
+                                                     : make_uint4(0, 0, 0, 0);
+    }
 
   const int v_bytes = v_fp16 ? 2 : 1;
   const int pitch = v_bytes * kVtPitch8;
@@ -341,11 +353,6 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
     bool valid[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) valid[i] = tile * sm90::kBlockKV + token_at(quad, i) < p.n_kv;
-    // The unit's four row pieces from the staged tile (zeros past n_kv).
-    uint4 raw[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      raw[i] = valid[i] ? staged_piece<D>(rows, token_at(quad, i), unit_chunk(k)) : make_uint4(0, 0, 0, 0);
     // One 32-bit word (two channels) of the four tokens at a time: 8 floats live, not 32 (with
     // all 32 the fp16 d = 128 kernel took 80 registers, three CTAs per SM instead of four).
 #pragma unroll
@@ -353,7 +360,7 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
       float2 y[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const uint4& r = raw[i];
+        const uint4& r = raw[k][i];
         y[i] = gpu::word_to_float2<T>(w == 0 ? r.x : w == 1 ? r.y : w == 2 ? r.z : r.w);
       }
 #pragma unroll
@@ -437,13 +444,7 @@ __device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
   return v;
 }
 
-#ifndef SAGE_PREPASS_RING
-#define SAGE_PREPASS_RING 1
-#endif
-#ifndef SAGE_PREPASS_MIN_CTAS
-#define SAGE_PREPASS_MIN_CTAS 3
-#endif
-constexpr int kRing = SAGE_PREPASS_RING;  // staged tiles per CTA
+constexpr int kRing = 2;       // staged tiles per CTA
 constexpr int kStatsSpan = 8;  // tiles per statistics item, at least
 constexpr int kQuantSpan = 4;  // tiles per quantize item
 
@@ -478,7 +479,7 @@ __device__ __forceinline__ void stage_tile(const sm90::KVQuantParams& p, int hea
 }
 
 template <int D, class T>
-__global__ void __launch_bounds__(kThreads, SAGE_PREPASS_MIN_CTAS)
+__global__ void __launch_bounds__(kThreads, 2)
     kv_prepass_kernel(const sm90::KVQuantParams p, const PrepassItems items) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   auto& sm = *reinterpret_cast<PrepassSmem<D>*>(smem_raw);
