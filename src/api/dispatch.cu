@@ -120,7 +120,7 @@ Dims strides_of(const TensorView& t, Layout layout) {
 }
 
 struct WorkspaceLayout {
-  size_t k, vt, k_scale, k_mean, v_scale, v_mean, v_inv, k_amax, stat_partials, head_ready, total;
+  size_t k, vt, k_scale, k_mean, v_scale, v_mean, v_inv, k_amax, total;
   int n_pad;
 };
 
@@ -145,8 +145,6 @@ WorkspaceLayout workspace_layout(const Problem& pr, sm90::PVPath path) {
   w.v_mean = take(heads * d * sizeof(float));
   w.v_inv = take(heads * d * sizeof(float));
   w.k_amax = take(heads * sizeof(float));
-  w.stat_partials = take(heads * quant::kPrepassPartialFloats * d * sizeof(float));
-  w.head_ready = take(heads * sizeof(uint32_t));
   w.total = off;
   return w;
 }
@@ -161,8 +159,6 @@ sm90::QuantizedKV quantized_kv_at(uint8_t* ws, const WorkspaceLayout& w) {
   kv.v_mean = reinterpret_cast<float*>(ws + w.v_mean);
   kv.v_inv = reinterpret_cast<float*>(ws + w.v_inv);
   kv.k_amax = reinterpret_cast<float*>(ws + w.k_amax);
-  kv.stat_partials = reinterpret_cast<float*>(ws + w.stat_partials);
-  kv.head_ready = reinterpret_cast<uint32_t*>(ws + w.head_ready);
   return kv;
 }
 

@@ -1,10 +1,9 @@
 #include "quant/kv_prepass.cuh"
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <algorithm>
-#include <atomic>
 #include <cfloat>
 
 #include "common/vec_io.cuh"
@@ -13,25 +12,23 @@
 #include "sage/tile.h"
 #include "sm90/head_dims.h"
 #include "sm90/ptx.cuh"
-#include "sm90/schedule.h"
-#include "sm90/tma_maps.h"
 
 namespace sage::quant {
 namespace {
 
 constexpr int kThreads = 256;
 
-// ---- statistics ----------------------------------------------------------------------------
-// A head's channel statistics (K mean, V mean, V scale and its inverse, K's largest |K - mean|)
-// come from per-chunk partials: each statistics item reads a chunk of the head's K and V
-// tiles and writes its per-channel sums and extremes; the item that completes the head's last
-// chunk combines them in chunk order (deterministic: repeated calls are bit-identical) and
-// marks the head ready for its quantize items.
+// ---- pass 1: statistics --------------------------------------------------------------------
+// One cluster of kStatsCtas CTAs per (batch, kv head): the first half reads K, the second V,
+// each CTA a stride of the head's tokens. Rank 0 combines the CTAs' sums and extremes through
+// distributed shared memory in rank order (deterministic, no atomics) and writes the head's
+// finals, so that a quantize CTA reads a few floats per channel instead of reducing partials.
+// (v8 wrote per-chunk partials that every quantize CTA of the head reduced again: L2 reads
+// growing as N^2, 1.4 ms of pre-pass at d = 128, N = 16K on the H100 against 0.86 ms at 1K.)
+constexpr int kStatsCtas = 8;
+constexpr int kStatsPerTensor = kStatsCtas / 2;
+constexpr int kStatsUnroll = 4;  // rows in flight per thread
 enum StatsRow : int { kSum = 0, kMax, kMin, kStatsRows };
-// Chunks per head at most: the combine reads this many partials per channel, so that it stays
-// short at long N, where a chunk then covers several tiles.
-constexpr int kMaxStatsChunks = 16;
-static_assert(kPrepassPartialFloats == kMaxStatsChunks * 2 * kStatsRows, "workspace partials");
 
 template <class T>
 struct ChannelStats {
@@ -55,105 +52,99 @@ struct ChannelStats {
   }
 };
 
-// Partials of one chunk: [2 tensors (K, V)][kStatsRows][D] floats.
-template <int D>
-__device__ __forceinline__ float* chunk_partials(const sm90::KVQuantParams& p, int64_t head,
-                                                 int chunk) {
-  return p.out.stat_partials + (head * kMaxStatsChunks + chunk) * 2 * kStatsRows * D;
-}
-
-// Shared memory of a statistics item: the CTA's rows of one tensor, before their reduction.
-template <int D>
-struct StatsScratch {
-  static constexpr int kRowsPerIter = kThreads / (D / 8);
-  float red[kStatsRows][kRowsPerIter][D];
-};
-
-// Row r's 16-byte piece `chunk` (channels 8 chunk .. 8 chunk + 7) of a K or V tile staged in
-// shared memory as it lies in global memory (rows of D fp16/bf16 values).
-template <int D>
-__device__ __forceinline__ uint4 staged_piece(const uint8_t* rows, int r, int chunk) {
-  return *reinterpret_cast<const uint4*>(rows + r * (D * 2) + chunk * 16);
-}
-
-// A statistics item's pass over one staged tile: this thread's rows into its channel sums and
-// extremes (valid tokens only).
+// Four CTAs per SM: at d = 128, N = 16K the grid (8 CTAs for each of 64 heads) is one wave.
 template <int D, class T>
-__device__ __forceinline__ void stats_add(const sm90::KVQuantParams& p, const uint8_t* rows,
-                                          int tile, ChannelStats<T>& st) {
+__global__ void __cluster_dims__(kStatsCtas, 1, 1) __launch_bounds__(kThreads, 4)
+    kv_stats_kernel(const sm90::KVQuantParams p) {
+  namespace cg = cooperative_groups;
   constexpr int kLanesPerRow = D / 8;
   constexpr int kRowsPerIter = kThreads / kLanesPerRow;
+  constexpr int kStep = kRowsPerIter * kStatsPerTensor;  // tokens between a thread's rows
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank());
+  const bool is_v = rank >= kStatsPerTensor;
+  const int h = blockIdx.y, b = blockIdx.z;
   const int lane_c = threadIdx.x % kLanesPerRow, r0 = threadIdx.x / kLanesPerRow;
-#pragma unroll
-  for (int i = 0; i < sm90::kBlockKV / kRowsPerIter; ++i) {
-    const int r = r0 + i * kRowsPerIter;
-    if (tile * sm90::kBlockKV + r < p.n_kv) st.add(staged_piece<D>(rows, r, lane_c));
-  }
-}
 
-// The CTA's rows combined in a fixed order, one (statistic, channel) per thread, into the
-// chunk's partials of `tensor` (0: K, 1: V).
-template <int D, class T>
-__device__ __forceinline__ void stats_write(const sm90::KVQuantParams& p, int64_t head, int chunk,
-                                            int tensor, const ChannelStats<T>& st,
-                                            StatsScratch<D>& scratch) {
-  constexpr int kLanesPerRow = D / 8;
-  constexpr int kRowsPerIter = kThreads / kLanesPerRow;
-  const int lane_c = threadIdx.x % kLanesPerRow, r0 = threadIdx.x / kLanesPerRow;
+  const T* base = (is_v ? static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h
+                        : static_cast<const T*>(p.k) + b * p.k_stride_b + h * p.k_stride_h) +
+                  lane_c * 8;
+  const int64_t stride_n = is_v ? p.v_stride_n : p.k_stride_n;
+  ChannelStats<T> st;
+  st.init();
+  // The CTAs of one tensor interleave by kRowsPerIter rows, so that they stream neighbouring
+  // memory at the same time; each thread keeps kStatsUnroll loads in flight.
+  int t = (rank % kStatsPerTensor) * kRowsPerIter + r0;
+  for (; t + (kStatsUnroll - 1) * kStep < p.n_kv; t += kStatsUnroll * kStep) {
+    uint4 raw[kStatsUnroll];
 #pragma unroll
-  for (int s = 0; s < kStatsRows; ++s)
+    for (int u = 0; u < kStatsUnroll; ++u)
+      raw[u] = *reinterpret_cast<const uint4*>(base + int64_t(t + u * kStep) * stride_n);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) scratch.red[s][r0][lane_c * 8 + i] = st.row(s, i);
-  __syncthreads();
-  float* out = chunk_partials<D>(p, head, chunk) + tensor * kStatsRows * D;
-  for (int e = threadIdx.x; e < kStatsRows * D; e += kThreads) {
-    const int s = e / D, c = e % D;
-    float acc = scratch.red[s][0][c];
-    for (int r = 1; r < kRowsPerIter; ++r) {
-      const float v = scratch.red[s][r][c];
-      acc = s == kSum ? acc + v : s == kMax ? fmaxf(acc, v) : fminf(acc, v);
-    }
-    out[s * D + c] = acc;
+    for (int u = 0; u < kStatsUnroll; ++u) st.add(raw[u]);
   }
-}
+  for (; t < p.n_kv; t += kStep) st.add(*reinterpret_cast<const uint4*>(base + int64_t(t) * stride_n));
 
-// The head's finals from its chunks' partials, in chunk order. Called by the CTA that
-// completed the head's last chunk, after a fence: the partials are read from L2.
-template <int D>
-__device__ __forceinline__ void combine_head_stats(const sm90::KVQuantParams& p, int64_t head,
-                                                   int chunks, float (&s_amax)[2][D]) {
-  if (threadIdx.x < 2 * D) {
-    const int tensor = threadIdx.x / D, c = threadIdx.x % D;  // 0: K, 1: V
-    float sum = 0.f, mx = -FLT_MAX, mn = FLT_MAX;
-    for (int k = 0; k < chunks; ++k) {
-      const float* part = chunk_partials<D>(p, head, k) + tensor * kStatsRows * D + c;
-      sum += __ldcg(part + kSum * D);
-      mx = fmaxf(mx, __ldcg(part + kMax * D));
-      mn = fminf(mn, __ldcg(part + kMin * D));
+  // The CTA's rows, combined in a fixed order.
+  __shared__ float red[kRowsPerIter * D];
+  __shared__ float cta_stats[kStatsRows][D];
+#pragma unroll
+  for (int s = 0; s < kStatsRows; ++s) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) red[r0 * D + lane_c * 8 + i] = st.row(s, i);
+    __syncthreads();
+    if (threadIdx.x < D) {
+      float acc = red[threadIdx.x];
+      for (int r = 1; r < kRowsPerIter; ++r) {
+        const float v = red[r * D + threadIdx.x];
+        acc = s == kSum ? acc + v : s == kMax ? fmaxf(acc, v) : fminf(acc, v);
+      }
+      cta_stats[s][threadIdx.x] = acc;
     }
-    const bool smooth = tensor == 0 ? p.smooth_k : p.smooth_v;
-    const float mean = smooth ? sum / p.n_kv : 0.f;
-    // Rounding is monotonic, so the extreme of |x - mean| is reached at the channel's max
-    // or min: the same value a pass over every token would find.
-    s_amax[tensor][c] = fmaxf(mx - mean, mean - mn);
-    (tensor == 0 ? p.out.k_mean : p.out.v_mean)[head * D + c] = mean;
+    __syncthreads();
   }
-  __syncthreads();
-  if (threadIdx.x < D) {
-    const int c = threadIdx.x;
-    float vamax = s_amax[1][c];
-    if (p.v_per_tensor)  // INT-FlashAttention: one scale over all channels
-      for (int i = 0; i < D; ++i) vamax = fmaxf(vamax, s_amax[1][i]);
-    // fp16 V is not scaled: the kernel's epilogue multiplies by 1.
-    const bool v_fp16 = p.pv_path == sm90::PVPath::fp16;
-    p.out.v_scale[head * D + c] = v_fp16 ? 1.f : rules::symmetric_scale(vamax, p.v_max);
-    p.out.v_inv[head * D + c] = v_fp16 ? 1.f : rules::symmetric_inverse(vamax, p.v_max);
-    if (c == 0) {
-      float kamax = 0.f;
-      for (int i = 0; i < D; ++i) kamax = fmaxf(kamax, s_amax[0][i]);
-      p.out.k_amax[head] = kamax;
+  cluster.sync();  // every CTA's cta_stats is written
+
+  if (rank == 0) {
+    __shared__ float s_kamax[D], s_vamax[D];
+    const int64_t head = (int64_t)b * p.heads_kv + h;
+    if (threadIdx.x < D) {
+      const int c = threadIdx.x;
+      float sum[2] = {0.f, 0.f}, mx[2] = {-FLT_MAX, -FLT_MAX}, mn[2] = {FLT_MAX, FLT_MAX};
+      for (int r = 0; r < kStatsCtas; ++r) {
+        const float* other = cluster.map_shared_rank(&cta_stats[0][0], r);
+        const int which = r / kStatsPerTensor;  // 0: K, 1: V
+        sum[which] += other[kSum * D + c];
+        mx[which] = fmaxf(mx[which], other[kMax * D + c]);
+        mn[which] = fminf(mn[which], other[kMin * D + c]);
+      }
+      const float km = p.smooth_k ? sum[0] / p.n_kv : 0.f;
+      const float vm = p.smooth_v ? sum[1] / p.n_kv : 0.f;
+      // Rounding is monotonic, so the extreme of |x - mean| is reached at the channel's max
+      // or min: the same value a pass over every token would find.
+      s_kamax[c] = fmaxf(mx[0] - km, km - mn[0]);
+      s_vamax[c] = fmaxf(mx[1] - vm, vm - mn[1]);
+      p.out.k_mean[head * D + c] = km;
+      p.out.v_mean[head * D + c] = vm;
+    }
+    __syncthreads();
+    if (threadIdx.x < D) {
+      const int c = threadIdx.x;
+      float vamax = s_vamax[c];
+      if (p.v_per_tensor)  // INT-FlashAttention: one scale over all channels
+        for (int i = 0; i < D; ++i) vamax = fmaxf(vamax, s_vamax[i]);
+      // fp16 V is not scaled: the kernel's epilogue multiplies by 1.
+      const bool v_fp16 = p.pv_path == sm90::PVPath::fp16;
+      p.out.v_scale[head * D + c] = v_fp16 ? 1.f : rules::symmetric_scale(vamax, p.v_max);
+      p.out.v_inv[head * D + c] = v_fp16 ? 1.f : rules::symmetric_inverse(vamax, p.v_max);
+      if (c == 0) {
+        float kamax = 0.f;
+        for (int i = 0; i < D; ++i) kamax = fmaxf(kamax, s_kamax[i]);
+        p.out.k_amax[head] = kamax;
+      }
     }
   }
+  cluster.sync();  // the other CTAs' shared memory stays alive until rank 0 has read it
 }
 
 // Bytes per transposed V row in shared memory: a tile's tokens plus 4 bytes of padding per
@@ -200,25 +191,29 @@ __device__ __forceinline__ void store_vt_tile(const sm90::KVQuantParams& p, int 
 // holds only its own tensor's rows in registers, all loads issued first: 64 registers per
 // thread at d = 128 where one CTA for both took 126, so three CTAs per SM instead of two (that
 // v8 kernel ran at 39% of DRAM bandwidth, ncu, H100, d = 128, N = 1K).
-// s_kmean: the head's K mean, in shared memory (loaded once per item by the caller).
 template <int D, class T>
 __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, int tile, int h,
-                                                int b, const uint8_t* rows, const float* s_kmean) {
+                                                int b) {
   constexpr int kLanesPerRow = D / 8;
   constexpr int kRowsPerIter = kThreads / kLanesPerRow;
   constexpr int kRows = sm90::kBlockKV / kRowsPerIter;  // rows per thread
   const int lane_c = threadIdx.x % kLanesPerRow, r0 = threadIdx.x / kLanesPerRow;
   const int64_t head = (int64_t)b * p.heads_kv + h;
+  __shared__ float s_kmean[D];
   __shared__ float s_row_amax[sm90::kBlockKV];
   __shared__ float s_kinv[sm90::kBlockKV];  // per token, or the tile's per-thread groups
 
+  const T* kb = static_cast<const T*>(p.k) + b * p.k_stride_b + h * p.k_stride_h + lane_c * 8;
   uint4 raw[kRows];
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
-    const int r = r0 + i * kRowsPerIter;
+    const int t = tile * sm90::kBlockKV + r0 + i * kRowsPerIter;
     // Zeros past n_kv: padding never counts toward a scale.
-    raw[i] = tile * sm90::kBlockKV + r < p.n_kv ? staged_piece<D>(rows, r, lane_c) : make_uint4(0, 0, 0, 0);
+    raw[i] = t < p.n_kv ? *reinterpret_cast<const uint4*>(kb + (int64_t)t * p.k_stride_n)
+                        : make_uint4(0, 0, 0, 0);
   }
+  if (threadIdx.x < D) s_kmean[threadIdx.x] = p.out.k_mean[head * D + threadIdx.x];
+  __syncthreads();
 
   // Each 16-bit value is converted twice (here for the amax, below for the codes) rather
   // than kept as floats: 32 fewer live registers per thread.
@@ -262,7 +257,7 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
       float a;
       switch (p.k_granularity) {
         case Granularity::per_thread: a = group_amax; break;
-        case Granularity::per_tensor: a = __ldcg(&p.out.k_amax[head]); break;
+        case Granularity::per_tensor: a = p.out.k_amax[head]; break;
         default:  // per_block and per_warp: every warp reads the whole K tile
           a = fmaxf(tile_amax, both_groups);
           break;
@@ -306,19 +301,18 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
 // load reads whole 128-byte rows: half rows measured 11% slower there (H100, 2026-11-23).
 // (Until v11 each thread stored single bytes of one token's channels: 4x the shared-memory
 // stores, 4-way bank conflicts.)
-// s_vmean, s_vinv: the head's V mean and per-channel multiplier, in shared memory (loaded once
-// per item by the caller).
 template <int D, class T>
 __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, int tile, int h,
-                                                int b, const uint8_t* rows, const float* s_vmean,
-                                                const float* s_vinv, uint8_t* s_vt) {
+                                                int b, uint8_t* s_vt) {
   constexpr int kChunks = D / 8;                 // 8-channel pieces of a token's row
   constexpr int kQuads = sm90::kBlockKV / 4;     // groups of four stored positions per tile
   constexpr int kChunksPerWarp = kChunks == 8 ? 8 : 4, kQuadsPerWarp = 32 / kChunksPerWarp;
   constexpr int kUnits = kQuads * kChunks / kThreads;  // (quad, chunk) units per thread
   static_assert(kQuads * kChunks % kThreads == 0 && kQuads % kQuadsPerWarp == 0 &&
                 kChunks % kChunksPerWarp == 0, "unit map");
+  const int64_t head = (int64_t)b * p.heads_kv + h;
   const bool v_fp16 = p.pv_path == sm90::PVPath::fp16;
+  __shared__ float s_vmean[D], s_vinv[D];
 
   auto unit_quad = [](int k) {
     const int u = threadIdx.x + k * kThreads, w = u / 32, lane = u % 32;
@@ -334,16 +328,23 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
     return v_fp16 ? pos : 32 * (pos / 32) + pv_token_at_position(pos % 32);
   };
 
+  const T* vb = static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h;
   uint4 raw[kUnits][4];
 #pragma unroll
   for (int k = 0; k < kUnits; ++k)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int r = token_at(unit_quad(k), i);
+      const int t = tile * sm90::kBlockKV + token_at(unit_quad(k), i);
       // Zeros past n_kv: padding never counts toward a scale.
-      raw[k][i] = tile * sm90::kBlockKV + r < p.n_kv ? staged_piece<D>(rows, r, unit_chunk(k))
-                                                     : make_uint4(0, 0, 0, 0);
+      raw[k][i] = t < p.n_kv ? *reinterpret_cast<const uint4*>(vb + (int64_t)t * p.v_stride_n +
+                                                               unit_chunk(k) * 8)
+                             : make_uint4(0, 0, 0, 0);
     }
+  if (threadIdx.x < D) {
+    s_vmean[threadIdx.x] = p.out.v_mean[head * D + threadIdx.x];
+    s_vinv[threadIdx.x] = p.out.v_inv[head * D + threadIdx.x];
+  }
+  __syncthreads();
 
   const int v_bytes = v_fp16 ? 2 : 1;
   const int pitch = v_bytes * kVtPitch8;
@@ -383,190 +384,16 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
   store_vt_tile<D>(p, b, h, tile, s_vt, pitch, v_bytes);
 }
 
-// ---- one launch: statistics and quantization -------------------------------------------------
-// K and V are read once from DRAM: a head's quantize items run `lag` heads after its
-// statistics items, while its K/V is still in L2. (Two launches, statistics then quantization,
-// read every byte twice from DRAM: 0.47 ms at d = 128, N = 1K on the H200, against 0.31 ms for
-// that traffic; one read and one write take 0.19 ms at the same bandwidth.)
-//
-// The items, in one global order: step j holds head j's statistics items (j < heads: a K and a
-// V item per chunk of `span` tiles), then head (j - lag)'s quantize items (j >= lag: a K and a
-// V item per tile). CTA c runs items c, c + grid, c + 2 grid, ... and the grid is never larger
-// than what is resident at once. A quantize item waits until its head is ready; every item it
-// can wait on comes earlier in the order, so the earliest unfinished item never waits and the
-// launch cannot deadlock.
-//
-// Each item reads whole tiles (128 rows of one tensor), which one thread stages into shared
-// memory with bulk copies kRing tiles ahead of the CTA's use. Loaded into registers by the
-// item that uses them, each item waited for its own loads: with two or three CTAs per SM (the
-// registers), a persistent grid ran at a third of the DRAM bandwidth (0.70 ms at d = 128,
-// N = 1K, H200).
-struct PrepassItems {
-  int heads, lag, tiles;
-  int chunks, span;     // statistics items per tensor and head, and tiles per item
-  int qchunks, qspan;   // the same for quantize items
-  int64_t items;
-};
-
-struct PrepassItem {
-  bool stats;
-  int head, tensor;  // tensor 0: K, 1: V
-  int first_tile, tiles;  // the tiles it reads
-};
-
-__device__ __forceinline__ PrepassItem prepass_item(const PrepassItems& s, int64_t i) {
-  const int stats = 2 * s.chunks, quant = 2 * s.qchunks, both = stats + quant;
-  const int first = min(s.lag, s.heads), middle_end = max(s.lag, s.heads);
-  int head, k;  // k: the item's index in its step
-  bool is_stats;
-  if (i < int64_t(first) * stats) {
-    head = int(i / stats), k = int(i % stats), is_stats = true;
-  } else {
-    i -= int64_t(first) * stats;
-    const int64_t middle = s.lag < s.heads ? int64_t(middle_end - first) * both : 0;
-    if (i < middle) {  // steps [lag, heads) hold both kinds
-      const int j = first + int(i / both);
-      k = int(i % both), is_stats = k < stats;
-      head = is_stats ? j : j - s.lag;
-      if (!is_stats) k -= stats;
-    } else {
-      i -= middle;
-      head = middle_end + int(i / quant) - s.lag, k = int(i % quant), is_stats = false;
-    }
-  }
-  const int span = is_stats ? s.span : s.qspan, first_tile = (k / 2) * span;
-  return {is_stats, head, k % 2, first_tile, min(span, s.tiles - first_tile)};
-}
-
-__device__ __forceinline__ uint32_t load_acquire(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-constexpr int kRing = 2;       // staged tiles per CTA
-constexpr int kStatsSpan = 8;  // tiles per statistics item, at least
-constexpr int kQuantSpan = 4;  // tiles per quantize item
-
-// Dynamic shared memory of the pre-pass kernel.
-template <int D>
-struct PrepassSmem {
-  alignas(128) uint8_t tiles[kRing][sm90::kBlockKV * D * 2];
-  union Work {
-    StatsScratch<D> stats;
-    uint8_t vt[D * 2 * kVtPitch8];  // the transposed V tile (fp16 V at most)
-  } work;
-  alignas(8) uint64_t full[kRing];
-};
-
-// Thread 0: the rows of `tile` of the item's tensor into `dst`, completing on `bar`.
 template <int D, class T>
-__device__ __forceinline__ void stage_tile(const sm90::KVQuantParams& p, int head, int tensor,
-                                           int tile, uint8_t* dst, uint64_t* bar) {
-  const int b = head / p.heads_kv, h = head % p.heads_kv;
-  const T* base = tensor == 0 ? static_cast<const T*>(p.k) + b * p.k_stride_b + h * p.k_stride_h
-                              : static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h;
-  const int64_t stride = tensor == 0 ? p.k_stride_n : p.v_stride_n;
-  const int rows = min(sm90::kBlockKV, p.n_kv - tile * sm90::kBlockKV);
-  constexpr uint32_t kRowBytes = D * 2;
-  const T* src = base + int64_t(tile) * sm90::kBlockKV * stride;
-  sm90::mbar_expect_tx(bar, rows * kRowBytes);
-  if (stride == D) {
-    sm90::bulk_copy_g2s(dst, src, rows * kRowBytes, bar);
-  } else {
-    for (int r = 0; r < rows; ++r) sm90::bulk_copy_g2s(dst + r * kRowBytes, src + r * stride, kRowBytes, bar);
-  }
-}
-
-template <int D, class T>
-__global__ void __launch_bounds__(kThreads, 2)
-    kv_prepass_kernel(const sm90::KVQuantParams p, const PrepassItems items) {
-  extern __shared__ __align__(128) uint8_t smem_raw[];
-  auto& sm = *reinterpret_cast<PrepassSmem<D>*>(smem_raw);
-  __shared__ float s_amax[2][D];
-  __shared__ float s_channel[2][D];  // a quantize item's mean (and V multiplier) per channel
-  __shared__ bool s_last;
-  // ready[head]: statistics items done, then one more once the finals are written.
-  uint32_t* ready = p.out.head_ready;
-  const uint32_t stats_per_head = 2 * items.chunks;
-
-  // Thread 0 walks this CTA's tile loads kRing ahead of their use.
-  int64_t load_item = blockIdx.x;
-  int load_k = 0;
-  auto stage_next = [&](int buf) {
-    if (load_item >= items.items) return;
-    const PrepassItem it = prepass_item(items, load_item);
-    stage_tile<D, T>(p, it.head, it.tensor, it.first_tile + load_k, sm.tiles[buf], &sm.full[buf]);
-    if (++load_k == it.tiles) load_k = 0, load_item += gridDim.x;
-  };
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < kRing; ++i) sm90::mbar_init(&sm.full[i], 1);
-    sm90::fence_barrier_init();
-    for (int i = 0; i < kRing; ++i) stage_next(i);
-  }
-  __syncthreads();
-
-  int consumed = 0;  // tiles this CTA has taken from the ring
-  for (int64_t i = blockIdx.x; i < items.items; i += gridDim.x) {
-    const PrepassItem it = prepass_item(items, i);
-    const int b = it.head / p.heads_kv, h = it.head % p.heads_kv;
-    // The next staged tile (waited for), and its release to thread 0's next bulk copy.
-    auto take_tile = [&]() -> const uint8_t* {
-      const int buf = consumed % kRing;
-      sm90::mbar_wait(&sm.full[buf], (consumed / kRing) & 1);
-      return sm.tiles[buf];
-    };
-    auto release_tile = [&] {
-      __syncthreads();  // the staged tile (and the work area) are free again
-      if (threadIdx.x == 0) stage_next(consumed % kRing);
-      ++consumed;
-    };
-    if (!it.stats) {
-      if (threadIdx.x == 0)
-        while (load_acquire(&ready[it.head]) <= stats_per_head) __nanosleep(128);
-      __syncthreads();
-      // The head's finals, written during this launch by another CTA: read past L1.
-      if (threadIdx.x < D) {
-        const int64_t c = int64_t(it.head) * D + threadIdx.x;
-        s_channel[0][threadIdx.x] = __ldcg(it.tensor == 0 ? &p.out.k_mean[c] : &p.out.v_mean[c]);
-        if (it.tensor == 1) s_channel[1][threadIdx.x] = __ldcg(&p.out.v_inv[c]);
-      }
-      __syncthreads();
-      for (int k = 0; k < it.tiles; ++k) {
-        const uint8_t* rows = take_tile();
-        if (it.tensor == 0)
-          quantize_k_tile<D, T>(p, it.first_tile + k, h, b, rows, s_channel[0]);
-        else
-          quantize_v_tile<D, T>(p, it.first_tile + k, h, b, rows, s_channel[0], s_channel[1],
-                                sm.work.vt);
-        release_tile();
-      }
-    } else {
-      ChannelStats<T> st;
-      st.init();
-      for (int k = 0; k < it.tiles; ++k) {
-        stats_add<D, T>(p, take_tile(), it.first_tile + k, st);
-        release_tile();
-      }
-      stats_write<D, T>(p, it.head, it.first_tile / items.span, it.tensor, st, sm.work.stats);
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        __threadfence();  // the partials before the count
-        s_last = atomicAdd(&ready[it.head], 1u) == stats_per_head - 1;
-      }
-      __syncthreads();
-      if (s_last) {
-        __threadfence();
-        combine_head_stats<D>(p, it.head, items.chunks, s_amax);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-          __threadfence();  // the finals before the flag
-          atomicAdd(&ready[it.head], 1u);
-        }
-      }
-      __syncthreads();  // the scratch and s_last are reused by the next item
-    }
-  }
+__global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQuantParams p) {
+  // The transposed V tile: dynamic, sized by the launch for the path's element size, so that
+  // 8-bit V does not pay fp16's shared memory in occupancy.
+  extern __shared__ __align__(16) uint8_t s_vt[];
+  const int tile = blockIdx.x / 2, h = blockIdx.y, b = blockIdx.z;
+  if (blockIdx.x % 2 == 0)
+    quantize_k_tile<D, T>(p, tile, h, b);
+  else
+    quantize_v_tile<D, T>(p, tile, h, b, s_vt);
 }
 
 // Pass for prequantized INT8 inputs (INT-FlashAttention): nothing to measure or quantize, so
@@ -616,11 +443,7 @@ __global__ void __launch_bounds__(kThreads) kv_copy_prequantized_kernel(const sm
   store_vt_tile<D>(p, b, h, tile, s_vt, kVtPitch8, 1);
 }
 
-std::atomic<int> g_lag_override{0};
-
 }  // namespace
-
-void set_prepass_lag_override(int heads) { g_lag_override.store(std::max(0, heads)); }
 
 template <int D, class T>
 void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream) {
@@ -629,50 +452,11 @@ void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream) {
     kv_copy_prequantized_kernel<D><<<grid, kThreads, 0, stream>>>(p);
     return;
   }
-  PrepassItems items;
-  items.heads = p.batch * p.heads_kv;
-  items.tiles = p.n_pad / sm90::kBlockKV;
-  // Items of several tiles: each item pays a few round trips to L2 (the ready flag, the
-  // head's finals, the partials and their count) that its tiles share. With one tile per item
-  // the grid ran at a third of the DRAM bandwidth.
-  items.span = std::min(items.tiles, std::max(kStatsSpan, (items.tiles + kMaxStatsChunks - 1) / kMaxStatsChunks));
-  items.chunks = (items.tiles + items.span - 1) / items.span;
-  items.qspan = std::min(items.tiles, kQuantSpan);
-  items.qchunks = (items.tiles + items.qspan - 1) / items.qspan;
-  const size_t smem_bytes = sizeof(PrepassSmem<D>);
-  // Resident CTAs: every CTA of the grid must run at once (the waits above). Looked up once
-  // per device, with the shared-memory limit raised there (a per-device attribute).
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> known_per_sm[kMaxDevices] = {};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) sm90::throw_cuda("cudaGetDevice", err);
-  int per_sm = device < kMaxDevices ? known_per_sm[device].load(std::memory_order_relaxed) : 0;
-  if (per_sm == 0) {
-    err = cudaFuncSetAttribute(kv_prepass_kernel<D, T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               int(smem_bytes));
-    if (err != cudaSuccess) sm90::throw_cuda("K/V pre-pass shared memory", err);
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kv_prepass_kernel<D, T>, kThreads,
-                                                        smem_bytes);
-    if (err != cudaSuccess) sm90::throw_cuda("K/V pre-pass occupancy", err);
-    per_sm = std::max(per_sm, 1);
-    if (device < kMaxDevices) known_per_sm[device].store(per_sm, std::memory_order_relaxed);
-  }
-  const int per_head = 2 * (items.chunks + items.qchunks);
-  const int64_t grid = std::min<int64_t>(int64_t(per_sm) * sm90::sm_count(), int64_t(items.heads) * per_head);
-  // The lag keeps a third of the L2 in heads' fp16 K/V between a head's statistics and its
-  // quantize items (their reads and the quantized writes in between fill the rest), and at
-  // least one and a half grids' worth of items (a statistics item finishes about a grid
-  // after the grid starts it), so that quantize items seldom find their head still being
-  // measured.
-  const int64_t head_bytes = int64_t(p.n_kv) * D * 2 * 2;
-  const int64_t by_bytes = std::max<int64_t>(1, sm90::l2_bytes() / 3 / head_bytes);
-  const int64_t by_items = (3 * grid / 2 + per_head - 1) / per_head;
-  const int forced = g_lag_override.load();
-  items.lag = int(std::min<int64_t>(forced > 0 ? forced : std::max(by_bytes, by_items), items.heads));
-  items.items = int64_t(items.heads) * per_head;
-  cudaMemsetAsync(p.out.head_ready, 0, size_t(items.heads) * sizeof(uint32_t), stream);
-  kv_prepass_kernel<D, T><<<unsigned(grid), kThreads, smem_bytes, stream>>>(p, items);
+  const dim3 stats_grid(kStatsCtas, p.heads_kv, p.batch);  // one cluster per head
+  kv_stats_kernel<D, T><<<stats_grid, kThreads, 0, stream>>>(p);
+  const dim3 quant_grid(2 * (p.n_pad / sm90::kBlockKV), p.heads_kv, p.batch);
+  const size_t vt_bytes = size_t(D) * sm90::v_bytes(p.pv_path) * kVtPitch8;  // < 48 KiB
+  kv_quantize_kernel<D, T><<<quant_grid, kThreads, vt_bytes, stream>>>(p);
 }
 
 #define SAGE_INSTANTIATE_PREPASS(D)                                                        \

@@ -1,13 +1,13 @@
-// The K/V pre-pass: one launch (after a memset of the heads' ready counters) that turns
-// fp16/bf16 K and V into what the attention kernel streams with TMA, reading them once.
+// The K/V pre-pass: two launches that turn fp16/bf16 K and V into what the attention kernel
+// streams with TMA.
 //
-//   - statistics items: chunks of a head's tiles; per-channel sums and extremes as partials,
-//     combined by the head's last chunk in a fixed order (repeated calls are bit-identical)
-//     into the head's K mean, V mean, V scale and its inverse, and K's largest |K - mean|;
-//   - quantize items, a K and a V item per 128-token tile, once their head is ready: K
-//     smoothed and INT8 with the group map of tile.h; V smoothed, scaled per channel, E4M3,
-//     transposed to [D, tokens] with the token permutation the P register layout needs (see
-//     pv_position_of_token below).
+//   1. kv_stats: one cluster of CTAs per head reads K and V once and writes the head's
+//      channel statistics (K mean, V mean, V scale and its inverse, K's largest |K - mean|),
+//      combined on chip in a fixed order, so repeated calls are bit-identical.
+//   2. kv_quantize: two CTAs per 128-token tile, one for K and one for V. K smoothed and INT8
+//      with the group map of tile.h; V smoothed, scaled per channel, E4M3, transposed to
+//      [D, tokens] with the token permutation the P register layout needs (see
+//      pv_position_of_token below).
 #pragma once
 
 #include <cstdint>
@@ -15,10 +15,6 @@
 #include "sm90/kernel_params.h"
 
 namespace sage::quant {
-
-// Floats of statistics partials per head and channel in the workspace: 16 chunks x 2 tensors
-// (K, V) x 3 statistics (sum, max, min).
-constexpr int kPrepassPartialFloats = 16 * 2 * 3;
 
 // Position, inside a 32-token slice of the transposed V tile, of token `tok`.
 // The QK accumulator gives a thread the score columns {2t, 2t+1, 8+2t, 9+2t} (+16) of each
@@ -47,9 +43,5 @@ static_assert(pv_positions_invert(), "pv_token_at_position inverts pv_position_o
 
 template <int D, class T>
 void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream);
-
-// Tests: every later pre-pass quantizes a head this many heads after measuring it (0 returns
-// to the automatic lag), so that small shapes run statistics and quantize items interleaved.
-void set_prepass_lag_override(int heads);
 
 }  // namespace sage::quant

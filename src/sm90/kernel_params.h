@@ -42,8 +42,6 @@ struct QuantizedKV {
   // Written by the statistics pass for the quantize pass only:
   float* v_inv;      // [B, Hkv, D]  v_max / max|V'_c| (the multiplier before encoding)
   float* k_amax;     // [B, Hkv]     max over channels of max|K'_c| (per-tensor K scales)
-  float* stat_partials;  // [B, Hkv, 16 chunks, 2 tensors, 3 statistics, D]
-  uint32_t* head_ready;  // [B, Hkv]   statistics chunks done (+1 once the finals are written)
 };
 
 struct KVQuantParams {

@@ -89,17 +89,6 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 
-// 1-D bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from global into
-// shared memory, completing on `bar` as transaction bytes.
-__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes,
-                                              uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          smem_addr(dst)),
-      "l"(src), "r"(bytes), "r"(smem_addr(bar))
-      : "memory");
-}
-
 // ---- warpgroup MMA bookkeeping ---------------------------------------------------------------
 
 __device__ __forceinline__ void wgmma_fence() {

@@ -54,10 +54,10 @@ int device_attribute(const char* what) {
   if (device < kMaxDevices) known[device].store(value, std::memory_order_relaxed);
   return value;
 }
-}  // namespace
-
 int sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>("multiprocessor count"); }
 int l2_bytes() { return device_attribute<cudaDevAttrL2CacheSize>("L2 cache size"); }
+
+}  // namespace
 
 void set_items_per_cta_override(int items) { g_items_override.store(std::max(0, items)); }
 

@@ -5,10 +5,6 @@
 
 namespace sage::sm90 {
 
-// The current device's multiprocessor count and L2 size in bytes, looked up once per device.
-int sm_count();
-int l2_bytes();
-
 // Work items one CTA runs one after the other (AttentionParams::items_per_cta), for the
 // current device. Tuning override: the environment variable SAGE_SM90_CTA_TILES (read once)
 // sets the K/V tiles a CTA aims for; 0 gives one item per CTA.
