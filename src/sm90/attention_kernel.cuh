@@ -58,7 +58,9 @@ namespace sage::sm90 {
 #define SAGE_SM90_L2_PREFETCH 1
 #endif
 #ifndef SAGE_SM90_PINGPONG
-#define SAGE_SM90_PINGPONG 0  // off: measured slower (H200, d = 128, N = 16K: 686 vs 738 TOPS)
+// off: measured slower three times (H200: v8b 686 vs 738 TOPS at d = 128, N = 16K; v17
+// -3% / -1% / +0.6% kernel only at d = 128, N = 1K / 4K / 16K and -8% to -10% at d = 64).
+#define SAGE_SM90_PINGPONG 0
 #endif
 constexpr int kStages = SAGE_SM90_STAGES;
 constexpr int kThreads = 384;
