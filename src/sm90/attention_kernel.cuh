@@ -305,7 +305,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       mma_s8_ss<kBlockKV, false>(sacc, smem_desc<D>(q_desc), smem_desc<D>(k_desc));
 #pragma unroll
       for (int kc = 1; kc < D / 32; ++kc)
-        mma_s8_ss<kBlockKV, true>(sacc, smem_desc<D>(q_desc, 32 * kc), smem_desc<D>(k_desc, 32 * kc));
+        mma_s8_ss<kBlockKV, true>(sacc, smem_desc<D>(q_desc, 32 * kc),
+                                  smem_desc<D>(k_desc, 32 * kc));
       wgmma_commit();
     };
     auto issue_pv = [&](int stage) { PV::issue(pv_acc, pa, v_desc0 + stage * kVStageDesc); };

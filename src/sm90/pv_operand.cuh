@@ -102,7 +102,8 @@ struct PVOperand<D, PVPath::e4m3_two_level> {
     wgmma_fence();
     mma_e4m3_rs<D, false>(acc.c, f.a[0], v8_slice(v_desc, 0));
 #pragma unroll
-    for (int kc = 1; kc < kBlockKV / 32; ++kc) mma_e4m3_rs<D, true>(acc.c, f.a[kc], v8_slice(v_desc, kc));
+    for (int kc = 1; kc < kBlockKV / 32; ++kc)
+      mma_e4m3_rs<D, true>(acc.c, f.a[kc], v8_slice(v_desc, kc));
     wgmma_commit();
   }
   __device__ __forceinline__ static void fold(float (&o)[D / 2], Accumulator& acc, Fragments& f,
@@ -183,7 +184,8 @@ struct PVOperand<D, PVPath::fp16> {
     wgmma_fence();
     mma_f16_rs_f16acc<D, false>(acc.c, f.a[0], v16_slice(v_desc, 0));
 #pragma unroll
-    for (int kc = 1; kc < kSlices; ++kc) mma_f16_rs_f16acc<D, true>(acc.c, f.a[kc], v16_slice(v_desc, kc));
+    for (int kc = 1; kc < kSlices; ++kc)
+      mma_f16_rs_f16acc<D, true>(acc.c, f.a[kc], v16_slice(v_desc, kc));
     wgmma_commit();
   }
   __device__ __forceinline__ static void fold(float (&o)[D / 2], Accumulator& acc, Fragments& f,
@@ -221,7 +223,8 @@ struct PVOperand<D, PVPath::int8> {
     wgmma_fence();
     mma_s8_rs<D, false>(acc.c, f.a[0], v8_slice(v_desc, 0));
 #pragma unroll
-    for (int kc = 1; kc < kBlockKV / 32; ++kc) mma_s8_rs<D, true>(acc.c, f.a[kc], v8_slice(v_desc, kc));
+    for (int kc = 1; kc < kBlockKV / 32; ++kc)
+      mma_s8_rs<D, true>(acc.c, f.a[kc], v8_slice(v_desc, kc));
     wgmma_commit();
   }
   __device__ __forceinline__ static void fold(float (&o)[D / 2], Accumulator& acc, Fragments& f,
