@@ -84,22 +84,29 @@ if has ab; then
   # drift hits all alike. ENVS="name=VAR=value VAR=value;name=..." lists this tree's sides
   # (default: one, "new", as built); OLD_ENVS the same for ab_old's build (default: "old").
   # AB_OLD_CUDA_FLAGS: build knobs for the old side (e.g. to measure one knob on a copy of
-  # this tree). AB_SPLIT=1 adds `--split` (pre-pass and kernel
-  # timed alone); AB_N, AB_CAUSAL, AB_RECIPE, AB_DTYPE (fp16, bf16) pick the grid. Both sides are built with only
-  # sage2_8b's kernels unless AB_RECIPE names another preset. Lines go to $OUT/ab.txt as they
-  # come, so a run cut short by its time limit still reports. Time on the H100 (sage2_8b): the
-  # two builds ~90 s, then ~20 s per side and round for 8 points (~30 s with --split).
-  log "A/B against ab_old/: ${ENVS:-new=}"
+  # this tree). AB_KNOBS="name=nvcc flags;..." adds builds of this tree with those flags as
+  # further sides (build knobs beside the A/B in the same run). AB_SPLIT=1 adds `--split`
+  # (pre-pass and kernel timed alone); AB_N, AB_CAUSAL, AB_RECIPE, AB_DTYPE (fp16, bf16) pick
+  # the grid. All sides are built with only sage2_8b's kernels unless AB_RECIPE names another
+  # preset. Lines go to $OUT/ab.txt as they come, so a run cut short by its time limit still
+  # reports. Time on the H100 (sage2_8b): the two builds ~90 s, then ~20 s per side and round
+  # for 8 points (~30 s with --split).
+  log "A/B against ab_old/: ${ENVS:-new=} ${AB_KNOBS:+knobs: $AB_KNOBS}"
   recipe=${AB_RECIPE:-sage2_8b}
   variants=all; [ "$recipe" = sage2_8b ] && variants=e4m3_two_level:per_tile:0
-  for side in old new; do
-    src=.; flags=${CUDA_FLAGS:-}; [ $side = old ] && src=ab_old && flags=${AB_OLD_CUDA_FLAGS:-}
+  IFS=';' read -r -a ab_knobs <<< "${AB_KNOBS:-}"
+  builds=(old new)
+  for kv in "${ab_knobs[@]}"; do builds+=("${kv%%=*}"); done
+  for side in "${builds[@]}"; do
+    src=.; flags=${CUDA_FLAGS:-}
+    [ $side = old ] && src=ab_old && flags=${AB_OLD_CUDA_FLAGS:-}
+    for kv in "${ab_knobs[@]}"; do [ "${kv%%=*}" = $side ] && flags=${kv#*=}; done
     (cmake -S $src -B build-ab-$side -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAGE_BUILD_TESTS=OFF \
       -DSAGE_KERNEL_VARIANTS=$variants -DCMAKE_CUDA_FLAGS="$flags" > "$OUT/ab_build_$side.log" 2>&1 &&
       ninja -C build-ab-$side -j8 sage_cli >> "$OUT/ab_build_$side.log" 2>&1) &
   done
   wait
-  for side in old new; do
+  for side in "${builds[@]}"; do
     [ -x build-ab-$side/cli/sage ] || { tail -20 "$OUT/ab_build_$side.log"; exit 1; }
   done
   IFS=';' read -r -a envs <<< "${ENVS:-new=}"
@@ -119,6 +126,11 @@ if has ab; then
       name=${kv%%=*}; vars=${kv#*=}
       echo "-- $name: $vars (round $round)" | tee -a "$OUT/ab.txt"
       bench env $vars build-ab-new/cli/sage | tee -a "$OUT/ab.txt"
+    done
+    for kv in "${ab_knobs[@]}"; do
+      name=${kv%%=*}
+      echo "-- $name (this tree, ${kv#*=}) (round $round)" | tee -a "$OUT/ab.txt"
+      bench build-ab-$name/cli/sage | tee -a "$OUT/ab.txt"
     done
   done
 fi

@@ -25,10 +25,16 @@ struct TileConfig {
   int block_kv;  // K/V tokens per pipeline stage (the online-softmax block)
 };
 
+// Consumer warpgroups of 64 Q rows per CTA of the Hopper kernel. Three at d = 64, two at
+// d = 128: the consumer warps' softmax waits on latency with two warps per scheduler (ncu,
+// docs/performance.md), and at d = 64 the accumulators are small enough for a third warpgroup
+// (160 registers each over 512 threads; FlashAttention-3 runs 192-row tiles there too). At
+// d = 128, O, the PV product, S and P alone need ~210 registers.
+constexpr SAGE_HD int consumer_warpgroups(int head_dim) { return head_dim <= 64 ? 3 : 2; }
+
 // One function decides the tiles, for every head dim and recipe.
-SAGE_HD TileConfig tile_config(int head_dim) {
-  (void)head_dim;
-  return TileConfig{128, 128};
+constexpr SAGE_HD TileConfig tile_config(int head_dim) {
+  return TileConfig{64 * consumer_warpgroups(head_dim), 128};
 }
 
 constexpr int kWarpRows = 16;        // Q rows per warp in a wgmma accumulator

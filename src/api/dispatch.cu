@@ -241,7 +241,7 @@ void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVar
   }
   ap.batch = int(pr.batch), ap.heads_q = int(pr.heads_q), ap.heads_kv = int(pr.heads_kv);
   ap.n_q = int(pr.n_q), ap.n_kv = int(pr.n_kv), ap.n_pad = w.n_pad;
-  ap.n_q_tiles = int(ceil_div(pr.n_q, sm90::kBlockQ));
+  ap.n_q_tiles = int(ceil_div(pr.n_q, sm90::kBlockQ<D>));
   ap.sm_scale = pr.sm_scale;
   ap.sm_scale_log2 = rules::sm_scale_log2(pr.sm_scale);
   ap.p_max = p_format_max(r);

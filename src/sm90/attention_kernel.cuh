@@ -5,9 +5,10 @@
 //
 // Warp specialization: warpgroup 0 is the producer (one thread issues TMA loads of the
 // quantized K tile and the transposed V tile into a ring of shared-memory stages, released
-// through mbarriers); warpgroups 1 and 2 are consumers, 64 Q rows each. Register budgets are
-// moved from the producer to the consumers with setmaxnreg. A CTA runs one or more work items
-// (128-row Q tiles of a batch and head) one after the other.
+// through mbarriers); warpgroups 1.. are consumers, 64 Q rows each (two at d = 128, three at
+// d = 64: tile.h). Register budgets are moved from the producer to the consumers with
+// setmaxnreg. A CTA runs one or more work items (Q tiles of a batch and head) one after the
+// other.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -63,41 +64,50 @@ namespace sage::sm90 {
 #define SAGE_SM90_PINGPONG 0
 #endif
 constexpr int kStages = SAGE_SM90_STAGES;
-constexpr int kThreads = 384;
-// Named barriers: 1 = Q statistics over the tile (256 threads), 2..3 = Q tile stored and
-// 4..5 = Q smoothing's key biases written (per warpgroup), 6..7 = "warpgroup 0 / 1 may issue
-// its MMAs" (pingpong, 256 threads: one warpgroup arrives, the other waits).
-// Registers move from the producer (one thread issuing TMA) to the consumers; without it the
-// consumer path spills at the 168-register launch cap.
-// The two budgets use up the CTA's launch allocation exactly, 168 x 384 = 24 x 128 + 240 x 256:
-// setmaxnreg only moves registers within it, and an increase past it never returns (a 32-
-// register producer hung the GPU tests, v14 in docs/performance.md).
 constexpr bool kReallocateRegisters = SAGE_SM90_SETMAXNREG;
-constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168: the register file over the CTA
 constexpr int kProducerRegs = 24;
-constexpr int kConsumerRegs = 240;
-static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= kLaunchRegs * kThreads,
-              "setmaxnreg budgets exceed the CTA's launch allocation: setmaxnreg.inc would hang");
+
+// The CTA of head dim D: the producer warpgroup and kConsumers consumer warpgroups.
+// Registers move from the producer (one thread issuing TMA) to the consumers; without it the
+// consumer path spills at the launch cap (168 registers over 384 threads). The budgets stay
+// within the CTA's launch allocation, 168 x 384 >= 24 x 128 + 240 x 256 and 128 x 512 >= 24 x
+// 128 + 160 x 384: setmaxnreg only moves registers within it, and an increase past it never
+// returns (a 32-register producer beside 240-register consumers hung the GPU tests, v14 in
+// docs/performance.md).
+template <int D>
+struct CtaShape {
+  static constexpr int kConsumers = kConsumerWarpgroups<D>;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  // All that is left to the consumers: 240 at d = 128, 160 at d = 64.
+  static constexpr int kConsumerRegs =
+      (kLaunchRegs * kThreads - kProducerRegs * 128) / (128 * kConsumers) / 8 * 8;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= kLaunchRegs * kThreads,
+                "setmaxnreg budgets exceed the CTA's launch allocation: setmaxnreg.inc would hang");
+  static_assert(NamedBarrier::mma_turn(kConsumers - 1, kConsumers) < 16, "16 named barriers");
+};
 
 template <int D, int VBytes>
 struct SharedStorage {
-  alignas(1024) int8_t q[2][64 * D];  // one quantized Q tile per consumer warpgroup
+  static constexpr int kConsumers = kConsumerWarpgroups<D>;
+  alignas(1024) int8_t q[kConsumers][64 * D];  // one quantized Q tile per consumer warpgroup
   alignas(1024) int8_t k[kStages][kBlockKV * D];
   alignas(1024) uint8_t v[kStages][D * kBlockKV * VBytes];
   alignas(8) uint64_t full[kStages];
   alignas(8) uint64_t empty[kStages];
-  float reduce[8];
-  double q_sum[8][D];           // Q smoothing: column sums per consumer warp
-  float q_mean[2][D];           // Q smoothing: the tile mean, one copy per warpgroup
-  float key_bias[2][2][kBlockKV];  // Q smoothing: dS per key, [warpgroup][tile parity]
+  float reduce[4 * kConsumers];
+  double q_sum[4 * kConsumers][D];  // Q smoothing: column sums per consumer warp
+  float q_mean[kConsumers][D];      // Q smoothing: the tile mean, one copy per warpgroup
+  float key_bias[kConsumers][2][kBlockKV];  // Q smoothing: dS per key, [warpgroup][tile parity]
 };
 
 // How many K/V tiles the Q tile starting at q0 needs (bottom-right causal alignment:
 // row i sees keys j <= i + n_kv - n_q).
+template <int D>
 __device__ __forceinline__ int kv_tiles_for(const AttentionParams& p, int q0) {
   const int all = (p.n_kv + kBlockKV - 1) / kBlockKV;
   if (!p.causal) return all;
-  const int last_row = min(q0 + kBlockQ, p.n_q) - 1;
+  const int last_row = min(q0 + kBlockQ<D>, p.n_q) - 1;
   const int last_key = last_row + p.n_kv - p.n_q;
   if (last_key < 0) return 0;
   return min(all, last_key / kBlockKV + 1);
@@ -131,16 +141,20 @@ __device__ __forceinline__ WorkItem work_item(const AttentionParams& p, int w) {
 // per-tile dS work; a compile-time choice because as a run-time branch it cost the recipes
 // without it ~5% at N = 16K (H100 A/B, 2026-11-22).
 template <int D, class T, PVPath Path, KScales KS, bool SmoothQ>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
     attention_kernel(const __grid_constant__ CUtensorMap tma_k,
                      const __grid_constant__ CUtensorMap tma_v, const AttentionParams p) {
   using PV = PVOperand<D, Path>;
+  using Cta = CtaShape<D>;
+  constexpr int kBlockQ = sage::sm90::kBlockQ<D>;
   // The software pipeline below, except in the variants where ptxas (CUDA 13.0) spilled it
-  // at d = 128 (scripts/ptxas_report.sh): INT8 PV (sage1_vt/vb, int_flash) and f16-pair PV
-  // (sage2pp_*), by 16 to 272 bytes depending on the softmax's exact code. They run one
-  // tile at a time.
+  // heavily (scripts/ptxas_report.sh): at d = 128 (240 registers) INT8 PV (sage1_vt/vb,
+  // int_flash) and f16-pair PV (sage2pp_*), by 16 to 272 bytes depending on the softmax's
+  // exact code; at d = 64 (160 registers) Q smoothing and per-token K scales, by 244 to 524
+  // bytes (the rest spill 76-92 bytes there). They run one tile at a time.
   constexpr bool kOverlapPV =
-      SAGE_SM90_OVERLAP_PV && (D == 64 || Path == PVPath::e4m3_two_level || Path == PVPath::fp16);
+      SAGE_SM90_OVERLAP_PV && (D == 64 ? KS == KScales::per_tile && !SmoothQ
+                                       : Path == PVPath::e4m3_two_level || Path == PVPath::fp16);
   extern __shared__ uint8_t smem_raw[];
   auto& s = *reinterpret_cast<SharedStorage<D, PV::kVBytes>*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
@@ -148,7 +162,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Up to items_per_cta items (sm90/schedule.cu), in work_order.h's order: the producer
   // streams the K/V tiles of all of them through one ring, so the next item's first tiles are
   // loaded while the consumers run the last one's epilogue, and the next item's Q rows are
-  // prefetched into L2 (below); no CTA exit and launch between items. Both consumer
+  // prefetched into L2 (below); no CTA exit and launch between items. All consumer
   // warpgroups work on the same item, within a stage or two of each other.
   const CtaItems mine =
       cta_items(p.n_q_tiles, p.heads_q * p.batch, p.items_per_cta, p.grouped_order, blockIdx.x);
@@ -158,7 +172,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(&s.full[i], 1);
-      mbar_init(&s.empty[i], 8);  // one arrival per consumer warp
+      mbar_init(&s.empty[i], 4 * Cta::kConsumers);  // one arrival per consumer warp
     }
     fence_barrier_init();
   }
@@ -179,7 +193,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int hk = item.h / group_size;
         const int k_row0 = (item.b * p.heads_kv + hk) * p.n_pad;
         const int v_row0 = (item.b * p.heads_kv + hk) * D;
-        const int n_tiles = kv_tiles_for(p, item.q_tile * kBlockQ);
+        const int n_tiles = kv_tiles_for<D>(p, item.q_tile * kBlockQ);
         for (int it = 0; it < n_tiles; ++it, ++fill) {
           const int stage = fill % kStages;
           if constexpr (SAGE_SM90_PRODUCER_SLEEP)
@@ -199,7 +213,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ---- consumers -------------------------------------------------------------------------
-  if constexpr (kReallocateRegisters) setmaxnreg_inc<kConsumerRegs>();
+  if constexpr (kReallocateRegisters) setmaxnreg_inc<Cta::kConsumerRegs>();
   const int causal_offset = p.n_kv - p.n_q;
   // Prequantized Q is int8: the pointer arithmetic is in elements of whichever type q is.
   auto q_head_of = [&](const WorkItem& item) {
@@ -207,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return p.q_scale ? reinterpret_cast<const T*>(static_cast<const int8_t*>(p.q) + q_offset)
                      : static_cast<const T*>(p.q) + q_offset;
   };
-  // s.reduce and s.q_sum (per-block Q scales, Q smoothing) are shared by both warpgroups: one
+  // s.reduce and s.q_sum (per-block Q scales, Q smoothing) are shared by all warpgroups: one
   // that finished an item must not overwrite them before the other has read the last item's.
   const bool q_stats_shared = p.smooth_q || p.q_granularity == Granularity::per_block;
   RingCursor ring;  // the next K/V tile's stage, over all of this CTA's items
@@ -221,18 +235,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     // live through the K/V loop and spilled it (ptxas, d = 128: 72 bytes).
     int tid = threadIdx.x;
     reg_fence(tid);
-    const int cw = tid / 128 - 1;        // consumer warpgroup 0 / 1
+    const int cw = tid / 128 - 1;        // consumer warpgroup 0 .. kConsumers - 1
     const int warp = (tid / 32) % 4;     // warp inside the warpgroup
     const int lane = tid % 32;
     const int g = frag::group_of_lane(lane), t = frag::quad_of_lane(lane);
     const WorkItem item = work_item(p, w);
     const int h = item.h, b = item.b, hk = h / group_size;
     const int q0 = item.q_tile * kBlockQ;
-    const int n_tiles = kv_tiles_for(p, q0);
+    const int n_tiles = kv_tiles_for<D>(p, q0);
     const int wg_row0 = q0 + 64 * cw;
     const int rows[2] = {wg_row0 + 16 * warp + g, wg_row0 + 16 * warp + g + 8};
     const int64_t kv_head = (int64_t)b * p.heads_kv + hk;
-    if (w > mine.begin && q_stats_shared) named_barrier_sync(1, 256);
+    if (w > mine.begin && q_stats_shared)
+      named_barrier_sync(NamedBarrier::q_stats, 128 * Cta::kConsumers);
 
     const T* q_head = q_head_of(item);
     const float* q_scale_head = p.q_scale ? p.q_scale + b * p.qs_stride_b + h * p.qs_stride_h : nullptr;
@@ -247,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const char* k_scale_head =
           reinterpret_cast<const char*>(p.kv.k_scale) + kv_head * k_scale_bytes;
       const int consumer_thread = threadIdx.x - 128;
-      for (int64_t line = consumer_thread; line * 128 < k_scale_bytes; line += 256)
+      for (int64_t line = consumer_thread; line * 128 < k_scale_bytes; line += 128 * Cta::kConsumers)
         prefetch_l2(k_scale_head + line * 128);
       if (consumer_thread < D / 32) prefetch_l2(p.kv.v_scale + kv_head * D + 32 * consumer_thread);
       else if (p.smooth_v && consumer_thread < D / 16)
@@ -318,7 +333,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                  : k_scale[it * kKScalesPerTile + (j % 8) / 2];
       s.key_bias[cw][it & 1][j] =
           smooth_q_key_bias<D>(s.k[stage], j, s.q_mean[cw], kj_scale, p.sm_scale_log2);
-      named_barrier_sync(4 + cw, 128);
+      named_barrier_sync(NamedBarrier::key_bias(cw, Cta::kConsumers), 128);
     };
     // Whether any entry of tile it may be masked for this warpgroup's rows, and which.
     auto tile_needs_mask = [&](int it) {
@@ -416,21 +431,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     };
 
-    // Pingpong between the two consumer warpgroups (FlashAttention-3): each issues its MMAs of
+    // Pingpong between two consumer warpgroups (FlashAttention-3): each issues its MMAs of
     // a tile (QK of tile i, PV of tile i-1) only after the other has issued its own, so the
     // tensor cores alternate between them and one warpgroup's softmax runs while the other's
     // MMAs do. Every warpgroup has n_tiles + 1 issue turns; warpgroup 1 lets warpgroup 0 start
     // and skips its last hand-over, so that no arrival is left pending on a barrier at exit.
     // (The hand-over restarts with every item; not measured since items were chained.)
-    constexpr bool kPingpong = SAGE_SM90_PINGPONG && kOverlapPV;
+    constexpr bool kPingpong = SAGE_SM90_PINGPONG && kOverlapPV && Cta::kConsumers == 2;
     auto begin_turn = [&] {
-      if constexpr (kPingpong) named_barrier_sync(6 + cw, 256);
+      if constexpr (kPingpong) named_barrier_sync(NamedBarrier::mma_turn(cw, 2), 256);
     };
     auto end_turn = [&](bool last_turn) {
       if constexpr (kPingpong)
-        if (!(last_turn && cw == 1)) named_barrier_arrive(6 + (cw ^ 1), 256);
+        if (!(last_turn && cw == 1)) named_barrier_arrive(NamedBarrier::mma_turn(cw ^ 1, 2), 256);
     };
-    if (kPingpong && cw == 1 && n_tiles > 0) named_barrier_arrive(6, 256);
+    if (kPingpong && cw == 1 && n_tiles > 0) named_barrier_arrive(NamedBarrier::mma_turn(0, 2), 256);
 
     // A software pipeline inside the warpgroup (FlashAttention-3's intra-warpgroup overlap):
     // tile i's QK MMA and tile i-1's PV MMA are issued back to back, and tile i's softmax runs

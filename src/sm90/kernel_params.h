@@ -5,13 +5,29 @@
 #include <cstdint>
 
 #include "sage/recipe.h"
+#include "sage/tile.h"
 
 namespace sage::sm90 {
 
 // Tokens per K/V tile: the online-softmax block and the unit of the quantized K/V layout.
 constexpr int kBlockKV = 128;
-// Q rows per CTA: two consumer warpgroups of 64 rows each.
-constexpr int kBlockQ = 128;
+// Q rows per CTA (tile.h): one consumer warpgroup per 64 rows.
+template <int D>
+constexpr int kBlockQ = tile_config(D).block_q;
+template <int D>
+constexpr int kConsumerWarpgroups = consumer_warpgroups(D);
+static_assert(tile_config(64).block_kv == kBlockKV && tile_config(128).block_kv == kBlockKV,
+              "the pre-pass lays K/V out in kBlockKV tiles: tile.h must agree");
+// The named barriers of the attention kernel's consumer warpgroups (barrier 0 is
+// __syncthreads). Sixteen exist; three consumer warpgroups use eight.
+struct NamedBarrier {
+  static constexpr int q_stats = 1;  // Q statistics over the whole Q tile (all consumers)
+  // Per consumer warpgroup cw of C: its Q tile stored; Q smoothing's key biases written;
+  // "warpgroup cw may issue its MMAs" (pingpong, two consumers only).
+  static constexpr int q_stored(int cw) { return 2 + cw; }
+  static constexpr int key_bias(int cw, int consumers) { return 2 + consumers + cw; }
+  static constexpr int mma_turn(int cw, int consumers) { return 2 + 2 * consumers + cw; }
+};
 // Per-thread K scale groups per tile (tile.h); other granularities store one per tile.
 constexpr int kKScalesPerTile = 4;
 // The P V operand policies (pv_operand.cuh): which formats P and V take and how their

@@ -27,14 +27,16 @@ namespace sage::sm90 {
 template <int D>
 struct QOperand {
   static constexpr int kChunks = D / 32;
+  static constexpr int kConsumers = kConsumerWarpgroups<D>;
+  static constexpr int kConsumerWarps = 4 * kConsumers;
   float scale[2];      // dequantization scale of rows g and g+8
   float dot_kmean[2];  // q_row . mean(K): the row shift K smoothing removed (for the LSE)
 
   // rows[0], rows[1]: the thread's two Q rows (may be >= n_q: then zeros). tile_rows: rows of
-  // the CTA's Q tile inside n_q. consumer_warp: 0..7 over both consumer warpgroups.
-  // Shared memory: s_red 8 floats; s_sum [8][D] doubles and s_mean [D] floats (this
-  // warpgroup's copy) for Q smoothing; s_q this warpgroup's [64 x D] INT8 tile (1024-byte
-  // aligned), written swizzled.
+  // the CTA's Q tile inside n_q. consumer_warp: 0..kConsumerWarps-1 over all consumer
+  // warpgroups. Shared memory: s_red kConsumerWarps floats; s_sum [kConsumerWarps][D] doubles
+  // and s_mean [D] floats (this warpgroup's copy) for Q smoothing; s_q this warpgroup's
+  // [64 x D] INT8 tile (1024-byte aligned), written swizzled.
   template <class T>
   __device__ void load(const AttentionParams& p, const T* q_head, const float* q_scale_head,
                        const float* k_mean_head, const int (&rows)[2], int tile_rows, int lane,
@@ -131,13 +133,13 @@ struct QOperand {
       case Granularity::per_warp:
         amax[0] = amax[1] = frag::warp_max(fmaxf(amax[0], amax[1]));
         break;
-      default: {  // per_block: both consumer warpgroups (the whole Q tile)
+      default: {  // per_block: all consumer warpgroups (the whole Q tile)
         const float w = frag::warp_max(fmaxf(amax[0], amax[1]));
         if (lane == 0) s_red[consumer_warp] = w;
-        named_barrier_sync(1, 256);
+        named_barrier_sync(NamedBarrier::q_stats, 32 * kConsumerWarps);
         float m = s_red[0];
 #pragma unroll
-        for (int i = 1; i < 8; ++i) m = fmaxf(m, s_red[i]);
+        for (int i = 1; i < kConsumerWarps; ++i) m = fmaxf(m, s_red[i]);
         amax[0] = amax[1] = m;
         break;
       }
@@ -181,13 +183,14 @@ struct QOperand {
     // The MMA reads the tile through the async proxy: make the stores visible to it, then
     // wait for the whole warpgroup (which also publishes s_mean).
     fence_proxy_async();
-    named_barrier_sync(2 + consumer_warp / 4, 128);
+    named_barrier_sync(NamedBarrier::q_stored(consumer_warp / 4), 128);
   }
 
  private:
-  // Q smoothing (SageAttention2): subtract the mean over the CTA's Q tile (both warpgroups,
-  // tile_rows valid rows) from every valid row. Sums run in double: a sum of at most 128
-  // fp16/bf16 values is exact there, so the mean has the simulator's bits in any order.
+  // Q smoothing (SageAttention2): subtract the mean over the CTA's Q tile (all consumer
+  // warpgroups, tile_rows valid rows) from every valid row. Sums run in double: a sum of at
+  // most 192 fp16 values is exact there (bf16 values: while their exponents lie within ~44
+  // binades of each other), so the mean has the simulator's bits in any order.
   __device__ void subtract_tile_mean(float (&x)[kChunks][2][2][4], const int (&rows)[2], int n_q,
                                      int tile_rows, int lane, int consumer_warp, double* s_sum,
                                      float* s_mean) {
@@ -203,7 +206,7 @@ struct QOperand {
           for (int off = 4; off < 32; off *= 2) cs += __shfl_xor_sync(0xffffffffu, cs, off);
           if (lane < 4) s_sum[consumer_warp * D + 32 * kc + 16 * half + 4 * t + i] = cs;
         }
-    named_barrier_sync(1, 256);
+    named_barrier_sync(NamedBarrier::q_stats, 32 * kConsumerWarps);
 #pragma unroll
     for (int kc = 0; kc < kChunks; ++kc)
 #pragma unroll
@@ -213,7 +216,7 @@ struct QOperand {
           const int c = 32 * kc + 16 * half + 4 * t + i;
           double total = 0.0;
 #pragma unroll
-          for (int w = 0; w < 8; ++w) total += s_sum[w * D + c];
+          for (int w = 0; w < kConsumerWarps; ++w) total += s_sum[w * D + c];
           const float mean = float(total / double(tile_rows));
           if (consumer_warp % 4 == 0 && lane < 4) s_mean[c] = mean;
 #pragma unroll
