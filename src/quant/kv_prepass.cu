@@ -151,21 +151,24 @@ __global__ void __cluster_dims__(kStatsCtas, 1, 1) __launch_bounds__(kThreads, 4
 // byte of element, which breaks the transpose's bank conflicts.
 constexpr int kVtPitch8 = sm90::kBlockKV + 4;
 
-// Two V values (already smoothed and scaled) in the path's format, `lo` in the low bits:
-// E4M3 or INT8 bytes, or fp16 halves saturated to the finite range as the simulator's
-// round_fp16_satfinite.
-__device__ __forceinline__ uint32_t encode_v_pair(sm90::PVPath path, float lo, float hi) {
-  switch (path) {
-    case sm90::PVPath::int8:
-      return (uint32_t(rules::round_clamp(lo, rules::kInt8Max)) & 0xFFu) |
-             ((uint32_t(rules::round_clamp(hi, rules::kInt8Max)) & 0xFFu) << 8);
-    case sm90::PVPath::fp16: {
-      const __half2 h = __floats2half2_rn(fminf(fmaxf(lo, -65504.f), 65504.f),
-                                          fminf(fmaxf(hi, -65504.f), 65504.f));
-      return *reinterpret_cast<const uint32_t*>(&h);
-    }
-    default:
-      return sm90::pack_e4m3x2(lo, hi);
+// V's format in the workspace: E4M3 (both E4M3 PV paths), INT8 or fp16.
+enum class VFormat { e4m3, int8, fp16 };
+
+// Two V values (already smoothed and scaled) in the format, `lo` in the low bits: E4M3 or
+// INT8 bytes, or fp16 halves saturated to the finite range as the simulator's
+// round_fp16_satfinite. A template parameter: as a run-time switch it cost a compare and two
+// branches per pair inside the tile loop (SASS).
+template <VFormat F>
+__device__ __forceinline__ uint32_t encode_v_pair(float lo, float hi) {
+  if constexpr (F == VFormat::int8) {
+    return (uint32_t(rules::round_clamp(lo, rules::kInt8Max)) & 0xFFu) |
+           ((uint32_t(rules::round_clamp(hi, rules::kInt8Max)) & 0xFFu) << 8);
+  } else if constexpr (F == VFormat::fp16) {
+    const __half2 h = __floats2half2_rn(fminf(fmaxf(lo, -65504.f), 65504.f),
+                                        fminf(fmaxf(hi, -65504.f), 65504.f));
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    return sm90::pack_e4m3x2(lo, hi);
   }
 }
 
@@ -199,7 +202,7 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
   constexpr int kRows = sm90::kBlockKV / kRowsPerIter;  // rows per thread
   const int lane_c = threadIdx.x % kLanesPerRow, r0 = threadIdx.x / kLanesPerRow;
   const int64_t head = (int64_t)b * p.heads_kv + h;
-  __shared__ float s_kmean[D];
+  __shared__ __align__(16) float s_kmean[D];
   __shared__ float s_row_amax[sm90::kBlockKV];
   __shared__ float s_kinv[sm90::kBlockKV];  // per token, or the tile's per-thread groups
 
@@ -214,6 +217,15 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
   }
   if (threadIdx.x < D) s_kmean[threadIdx.x] = p.out.k_mean[head * D + threadIdx.x];
   __syncthreads();
+  // The thread's eight channel means, as two 16-byte loads where they are used: read one float
+  // at a time, they were 16 shared loads per row (four-way bank conflicts), the kernel's
+  // largest share of shared-memory wavefronts (ncu, H200).
+  auto kmean8 = [&](float (&km)[8]) {
+    const float4 a = *reinterpret_cast<const float4*>(&s_kmean[lane_c * 8]);
+    const float4 c = *reinterpret_cast<const float4*>(&s_kmean[lane_c * 8 + 4]);
+    km[0] = a.x, km[1] = a.y, km[2] = a.z, km[3] = a.w, km[4] = c.x, km[5] = c.y, km[6] = c.z,
+    km[7] = c.w;
+  };
 
   // Each 16-bit value is converted twice (here for the amax, below for the codes) rather
   // than kept as floats: 32 fewer live registers per thread.
@@ -222,10 +234,12 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
     const int r = r0 + i * kRowsPerIter;
     float x[8];
     gpu::unpack8<T>(raw[i], x);
+    float km[8];
+    kmean8(km);
     float amax = 0.f;
     if (tile * sm90::kBlockKV + r < p.n_kv)
 #pragma unroll
-      for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(x[j] - s_kmean[lane_c * 8 + j]));
+      for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(__fsub_rn(x[j], km[j])));
 #pragma unroll
     for (int off = 1; off < kLanesPerRow; off *= 2)
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
@@ -269,6 +283,14 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
   }
   __syncthreads();
   int8_t* kq = p.out.k + (head * p.n_pad + tile * sm90::kBlockKV) * D + lane_c * 8;
+  // The codes of rules::round_clamp, as the Q path gets them (q_operand.cuh, docs/numerics.md
+  // step 3): the low byte of the product plus 1.5 * 2^23, and no clamp, which never acts since
+  // each smoothed value is at most its group's amax in magnitude (the amax above, or per
+  // tensor the statistics pass's max(max - mean, mean - min), which rounding's monotonicity
+  // makes the same bound). Per value an FMUL and an FADD, and three byte permutes per four
+  // values, where rintf, the two-sided clamp, the float-to-int conversion and the shifts into
+  // place took about seven: this kernel issues rather than waits on DRAM (ncu, H200, d = 128,
+  // N = 1K: 63% issue active, DRAM 52%).
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     const int r = r0 + i * kRowsPerIter;
@@ -276,15 +298,18 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
                              : p.k_granularity == Granularity::per_thread ? (r % 8) / 2
                                                                           : 0];
     const bool valid = tile * sm90::kBlockKV + r < p.n_kv;
-    float x[8];
+    float x[8], km[8];
     gpu::unpack8<T>(raw[i], x);
-    uint32_t w[2] = {0, 0};
+    kmean8(km);
+    uint32_t c[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float smoothed = valid ? x[j] - s_kmean[lane_c * 8 + j] : 0.f;
-      const int32_t q = rules::round_clamp(smoothed * inv, p.k_max);
-      w[j / 4] |= (uint32_t(q) & 0xFFu) << (8 * (j % 4));
-    }
+    for (int j = 0; j < 8; ++j)
+      c[j] = sm90::round_to_low_bits(__fmul_rn(valid ? __fsub_rn(x[j], km[j]) : 0.f, inv));
+    uint32_t w[2];
+#pragma unroll
+    for (int h4 = 0; h4 < 2; ++h4)
+      w[h4] = __byte_perm(__byte_perm(c[4 * h4], c[4 * h4 + 1], 0x0040),
+                          __byte_perm(c[4 * h4 + 2], c[4 * h4 + 3], 0x0040), 0x5410);
     *reinterpret_cast<uint2*>(kq + (int64_t)r * D) = make_uint2(w[0], w[1]);
   }
 }
@@ -301,7 +326,7 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
 // load reads whole 128-byte rows: half rows measured 11% slower there (H100, 2026-11-23).
 // (Until v11 each thread stored single bytes of one token's channels: 4x the shared-memory
 // stores, 4-way bank conflicts.)
-template <int D, class T>
+template <int D, class T, VFormat F>
 __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, int tile, int h,
                                                 int b, uint8_t* s_vt) {
   constexpr int kChunks = D / 8;                 // 8-channel pieces of a token's row
@@ -311,7 +336,7 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
   static_assert(kQuads * kChunks % kThreads == 0 && kQuads % kQuadsPerWarp == 0 &&
                 kChunks % kChunksPerWarp == 0, "unit map");
   const int64_t head = (int64_t)b * p.heads_kv + h;
-  const bool v_fp16 = p.pv_path == sm90::PVPath::fp16;
+  constexpr bool v_fp16 = F == VFormat::fp16;
   __shared__ float s_vmean[D], s_vinv[D];
 
   auto unit_quad = [](int k) {
@@ -367,13 +392,16 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int c = c0 + 2 * w + half;
+        // Read once for the four tokens (under the valid test, the compiler loaded them once
+        // per token).
+        const float vmean = s_vmean[c], vinv = s_vinv[c];
         float v[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          v[i] = valid[i] ? ((half ? y[i].y : y[i].x) - s_vmean[c]) * s_vinv[c] : 0.f;
-        const uint32_t lo = encode_v_pair(p.pv_path, v[0], v[1]);
-        const uint32_t hi = encode_v_pair(p.pv_path, v[2], v[3]);
-        if (v_fp16)
+          v[i] = valid[i] ? __fmul_rn(__fsub_rn(half ? y[i].y : y[i].x, vmean), vinv) : 0.f;
+        const uint32_t lo = encode_v_pair<F>(v[0], v[1]);
+        const uint32_t hi = encode_v_pair<F>(v[2], v[3]);
+        if constexpr (v_fp16)
           *reinterpret_cast<uint2*>(&s_vt[c * pitch + 8 * quad]) = make_uint2(lo, hi);
         else
           *reinterpret_cast<uint32_t*>(&s_vt[c * pitch + 4 * quad]) = (lo & 0xFFFFu) | (hi << 16);
@@ -392,8 +420,12 @@ __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQua
   const int tile = blockIdx.x / 2, h = blockIdx.y, b = blockIdx.z;
   if (blockIdx.x % 2 == 0)
     quantize_k_tile<D, T>(p, tile, h, b);
+  else if (p.pv_path == sm90::PVPath::fp16)
+    quantize_v_tile<D, T, VFormat::fp16>(p, tile, h, b, s_vt);
+  else if (p.pv_path == sm90::PVPath::int8)
+    quantize_v_tile<D, T, VFormat::int8>(p, tile, h, b, s_vt);
   else
-    quantize_v_tile<D, T>(p, tile, h, b, s_vt);
+    quantize_v_tile<D, T, VFormat::e4m3>(p, tile, h, b, s_vt);
 }
 
 // Pass for prequantized INT8 inputs (INT-FlashAttention): nothing to measure or quantize, so
