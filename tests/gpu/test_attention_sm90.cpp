@@ -320,16 +320,18 @@ TEST(Sm90Attention, UnsupportedRecipeIsRefusedByName) {
 // Two modest cases per recipe for the compute-sanitizer stage of scripts/gpu_run.sh: memcheck
 // and racecheck run kernels 10-100x slower, so the lists above would not fit its time limit.
 // Between them: GQA and MQA, n_q above and below n_kv with partial last tiles, causal and not,
-// strided NHD and contiguous HND views.
+// strided NHD and contiguous HND views, both head dims (two consumer warpgroups at d = 128,
+// three at d = 64).
 TEST(Sm90Sanitize, EveryRecipeTwice) {
   SAGE_REQUIRE_GPU();
   expect_cases_within_bounds(for_every_variant([](const GpuCase& base, std::vector<GpuCase>& out) {
     GpuCase a = base;
     a.heads_q = 4, a.heads_kv = 2, a.n_q = 200, a.n_kv = 333, a.causal = true;
-    a.layout = Layout::NHD, a.strided = true;
+    a.layout = Layout::NHD, a.strided = true, a.head_dim = 128;
     out.push_back(a);
     GpuCase b = base;
     b.heads_q = 8, b.heads_kv = 1, b.n_q = 300, b.n_kv = 100, b.dtype = DType::bf16, b.seed = 1;
+    b.head_dim = 64;
     out.push_back(b);
   }));
 }
@@ -343,9 +345,11 @@ TEST(Sm90Sanitize, ChainedWorkItems) {
   // items differ in length, from several heads.
   PinnedWorkItems chained(3, sm90::WorkOrderOverride::grouped);
   expect_cases_within_bounds(for_every_variant([](const GpuCase& base, std::vector<GpuCase>& out) {
-    GpuCase c = base;
-    c.heads_q = 4, c.heads_kv = 2, c.n_q = 700, c.n_kv = 300, c.causal = true;
-    out.push_back(c);
+    for (int64_t d : {64, 128}) {
+      GpuCase c = base;
+      c.heads_q = 4, c.heads_kv = 2, c.n_q = 700, c.n_kv = 300, c.causal = true, c.head_dim = d;
+      out.push_back(c);
+    }
   }));
 #endif
 }
