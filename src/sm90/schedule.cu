@@ -22,6 +22,13 @@ namespace {
 // 2% of 64, going opposite ways at d = 64 and d = 128; 96 (5.2 waves at 1K) lost 7% at d = 128
 // (v12 A/B, bench/results/h100_v12_ab_2026-11-23.md).
 constexpr int kDefaultCtaTiles = 64;
+// Under a causal mask items carry 1 to n_q_tiles K/V tiles and each pays the same prologue
+// and epilogue: fewer per CTA (more CTAs, more waves) even them out. Measured (H200, same-run
+// A/B, bench/results/h200_v18_ab_2026-11-24.md section 4): targets 16 and 32 against 64, causal
+// whole call at N = 1K / 2K / 4K: d = 128 +7% / +4% / +2% (16), +9% / +3% / +2% (32); d = 64
+// +9% / +6% / +3% (16), +8% / +4% / +3% (32). Non-causal launches lost up to 3% at d = 64,
+// N <= 2K with either, so they keep 64.
+constexpr int kDefaultCausalCtaTiles = 16;
 // ... but the grid keeps at least this many waves of CTAs, so that the hardware's dynamic
 // scheduling still evens out uneven (causal) items and the last wave stays short.
 constexpr int kMinWaves = 4;
@@ -29,12 +36,14 @@ constexpr int kMinWaves = 4;
 std::atomic<int> g_items_override{0};
 std::atomic<WorkOrderOverride> g_order_override{WorkOrderOverride::automatic};
 
-int cta_tiles_target() {
-  static const int target = [] {
+// SAGE_SM90_CTA_TILES (tuning experiments) replaces both defaults.
+int cta_tiles_target(bool causal) {
+  static const int forced = [] {
     const char* env = std::getenv("SAGE_SM90_CTA_TILES");
-    return env != nullptr ? std::max(0, std::atoi(env)) : kDefaultCtaTiles;
+    return env != nullptr ? std::max(0, std::atoi(env)) : -1;
   }();
-  return target;
+  if (forced >= 0) return forced;
+  return causal ? kDefaultCausalCtaTiles : kDefaultCtaTiles;
 }
 
 // One of the current device's attributes, looked up once per device: this runs on every
@@ -63,7 +72,7 @@ void set_items_per_cta_override(int items) { g_items_override.store(std::max(0, 
 
 int items_per_cta(const AttentionParams& p) {
   if (const int forced = g_items_override.load(); forced > 0) return forced;
-  const int target = cta_tiles_target();
+  const int target = cta_tiles_target(p.causal);
   if (target == 0) return 1;
   const int64_t items = int64_t(p.n_q_tiles) * p.heads_q * p.batch;
   // K/V tiles of an average item: all of them, or about half under a causal mask.

@@ -7,7 +7,8 @@ namespace sage::sm90 {
 
 // Work items one CTA runs one after the other (AttentionParams::items_per_cta), for the
 // current device. Tuning override: the environment variable SAGE_SM90_CTA_TILES (read once)
-// sets the K/V tiles a CTA aims for; 0 gives one item per CTA.
+// sets the K/V tiles a CTA aims for (default 64, 16 under a causal mask: schedule.cu); 0 gives
+// one item per CTA.
 int items_per_cta(const AttentionParams& p);
 
 // Whether the launch uses work_order.h's grouped order (else the consecutive one), for the
