@@ -25,8 +25,8 @@ constexpr int kDefaultCtaTiles = 64;
 // Under a causal mask items carry 1 to n_q_tiles K/V tiles and each pays the same prologue
 // and epilogue: fewer per CTA (more CTAs, more waves) even them out. Measured (H200, same-run
 // A/B, bench/results/h200_v18_ab_2026-11-24.md section 4): targets 16 and 32 against 64, causal
-// whole call at N = 1K / 2K / 4K: d = 128 +7% / +4% / +2% (16), +9% / +3% / +2% (32); d = 64
-// +9% / +6% / +3% (16), +8% / +4% / +3% (32). Non-causal launches lost up to 3% at d = 64,
+// whole call at N = 1K / 2K / 4K: d = 128 +7% / +4% / +2% (16), +9% / +3% / +1% (32); d = 64
+// +9% / +6% / +3% (16), +8% / +4% / +3% (32). Non-causal launches lost up to 2.4% at d = 64,
 // N <= 2K with either, so they keep 64.
 constexpr int kDefaultCausalCtaTiles = 16;
 // ... but the grid keeps at least this many waves of CTAs, so that the hardware's dynamic
