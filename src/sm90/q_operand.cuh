@@ -189,7 +189,7 @@ struct QOperand {
  private:
   // Q smoothing (SageAttention2): subtract the mean over the CTA's Q tile (all consumer
   // warpgroups, tile_rows valid rows) from every valid row. Sums run in double: a sum of at
-  // most 192 fp16 values is exact there (bf16 values: while their exponents lie within ~44
+  // most 192 fp16 values is exact there (bf16 values: while their exponents lie within ~37
   // binades of each other), so the mean has the simulator's bits in any order.
   __device__ void subtract_tile_mean(float (&x)[kChunks][2][2][4], const int (&rows)[2], int n_q,
                                      int tile_rows, int lane, int consumer_warp, double* s_sum,
