@@ -6,8 +6,8 @@
 #   bash scripts/gen_docs.sh [RESULTS.json ...]
 #
 # The speed table of docs/recipes.md is read from bench result files, later ones winning
-# (default below: a side-by-side run of scripts/gpu_run.sh's bench stage, then
-# bench/results/h100_recipes.json, every preset from its recipes stage). Copy a run's
+# (default below: a side-by-side run of scripts/gpu_run.sh's bench stage, then an
+# every-preset run of its recipes stage). Copy a run's
 # files from $OUT into bench/results/ first, so that the page cites files of the repository;
 # a file that does not exist makes its cells say "not measured", never a made-up number.
 #
@@ -28,11 +28,11 @@ cmake --build "$build" -j "$jobs" --target sage_cli
 sage="$build/cli/sage"
 
 results=("$@")
-# Default: the v7 kernel's full-grid side-by-side run and its every-preset run, both of
-# 2026-11-22, so that presets and baselines come from one kernel version and one day. The v8
-# run (bench/results/h100.json) re-measured sage2_8b only; docs/performance.md has it.
+# Default: the v18 kernel's full-grid side-by-side run and its every-preset run on the H200,
+# both of 2026-11-24 (one kernel version, one day). The H100 pages of v7 (2026-11-22) are
+# bench/results/h100_v7_2026-11-22.json and bench/results/h100_recipes.json.
 [ ${#results[@]} -gt 0 ] ||
-  results=(bench/results/h100_v7_2026-11-22.json bench/results/h100_recipes.json)
+  results=(bench/results/h200_v18_2026-11-24.json bench/results/h200_recipes_2026-11-24.json)
 bench_list=$(IFS=,; echo "${results[*]}")
 "$sage" docs --out docs/recipes.md --bench "$bench_list"
 
