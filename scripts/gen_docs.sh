@@ -6,8 +6,8 @@
 #   bash scripts/gen_docs.sh [RESULTS.json ...]
 #
 # The speed table of docs/recipes.md is read from bench result files, later ones winning
-# (default below: a side-by-side run of scripts/gpu_run.sh's bench stage, then an
-# every-preset run of its recipes stage). Copy a run's
+# (default: `sage docs`'s own, cli/docs.cpp kDefaultBench: a side-by-side run of
+# scripts/gpu_run.sh's bench stage, then an every-preset run of its recipes stage). Copy a run's
 # files from $OUT into bench/results/ first, so that the page cites files of the repository;
 # a file that does not exist makes its cells say "not measured", never a made-up number.
 #
@@ -27,14 +27,13 @@ fi
 cmake --build "$build" -j "$jobs" --target sage_cli
 sage="$build/cli/sage"
 
-results=("$@")
-# Default: the v18 kernel's full-grid side-by-side run and its every-preset run on the H200,
-# both of 2026-11-24 (one kernel version, one day). The H100 pages of v7 (2026-11-22) are
-# bench/results/h100_v7_2026-11-22.json and bench/results/h100_recipes.json.
-[ ${#results[@]} -gt 0 ] ||
-  results=(bench/results/h200_v18_2026-11-24.json bench/results/h200_recipes_2026-11-24.json)
-bench_list=$(IFS=,; echo "${results[*]}")
-"$sage" docs --out docs/recipes.md --bench "$bench_list"
+# Without arguments, `sage docs`'s default files (the H200 run of v18, 2026-11-24; the H100
+# table of v7 came from bench/results/h100_v7_2026-11-22.json and h100_recipes.json).
+if [ $# -gt 0 ]; then
+  "$sage" docs --out docs/recipes.md --bench "$(IFS=,; echo "$*")"
+else
+  "$sage" docs --out docs/recipes.md
+fi
 
 table=$(mktemp)
 trap 'rm -f "$table" "$table.readme"' EXIT
