@@ -5,8 +5,6 @@
 #include <cuda_fp16.h>
 
 #include <cfloat>
-#include <string>
-#include <type_traits>
 
 #include "common/vec_io.cuh"
 #include "sage/error.h"
@@ -14,7 +12,6 @@
 #include "sage/tile.h"
 #include "sm90/head_dims.h"
 #include "sm90/ptx.cuh"
-#include "sm90/tma_maps.h"
 
 namespace sage::quant {
 namespace {
@@ -35,140 +32,25 @@ enum StatsRow : int { kSum = 0, kMax, kMin, kStatsRows };
 
 template <class T>
 struct ChannelStats {
-  // The extremes stay packed in the input type (exact, and one max or min per two values);
-  // the sums are fp32.
-  using Pair = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
-  static constexpr uint32_t kMinusInf = std::is_same_v<T, __half> ? 0xFC00FC00u : 0xFF80FF80u;
-  static constexpr uint32_t kPlusInf = kMinusInf & 0x7FFF7FFFu;
-  float sum[8];
-  Pair max2[4], min2[4];
-  __device__ __forceinline__ static Pair as_pair(uint32_t w) {
-    return *reinterpret_cast<const Pair*>(&w);
-  }
+  float sum[8], max[8], min[8];
   __device__ __forceinline__ void init() {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) sum[i] = 0.f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) max2[j] = as_pair(kMinusInf), min2[j] = as_pair(kPlusInf);
+    for (int i = 0; i < 8; ++i) sum[i] = 0.f, max[i] = -FLT_MAX, min[i] = FLT_MAX;
   }
   __device__ __forceinline__ void add(const uint4& raw) {
-    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = gpu::word_to_float2<T>(w[j]);
-      sum[2 * j] += f.x;
-      sum[2 * j + 1] += f.y;
-      max2[j] = __hmax2(max2[j], as_pair(w[j]));
-      min2[j] = __hmin2(min2[j], as_pair(w[j]));
-    }
-  }
-  // Value i of the max (or min) as a float.
-  __device__ __forceinline__ float max(int i) const { return half_of(max2[i / 2], i % 2); }
-  __device__ __forceinline__ float min(int i) const { return half_of(min2[i / 2], i % 2); }
-
- private:
-  __device__ __forceinline__ static float half_of(Pair p, int hi) {
-    const uint32_t w = *reinterpret_cast<const uint32_t*>(&p);
-    const float2 f = gpu::word_to_float2<T>(w);
-    return hi ? f.y : f.x;
-  }
-};
-
-// The CTA's per-thread statistics combined in a fixed order, so that repeated calls are
-// bit-identical: cta_stats[s][c] for s in StatsRow. The lanes of a warp that hold the same
-// channels combine by shuffles first, then thread c < D takes the warps' rows from `red`: one
-// round of shared memory for the three statistics, where a round per statistic over every
-// thread row left ~50 dependent shared loads on the path of each CTA. Every thread calls it.
-constexpr int kWarps = kThreads / 32;
-template <int D, class T>
-__device__ __forceinline__ void combine_cta_stats(const ChannelStats<T>& st, int lane_c,
-                                                  float (*red)[kWarps][D], float (*cta_stats)[D]) {
-  constexpr int kLanesPerRow = D / 8;
-  float v[kStatsRows][8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) v[kSum][i] = st.sum[i], v[kMax][i] = st.max(i), v[kMin][i] = st.min(i);
-#pragma unroll
-  for (int off = kLanesPerRow; off < 32; off *= 2)
+    float x[8];
+    gpu::unpack8<T>(raw, x);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      v[kSum][i] += __shfl_xor_sync(0xffffffffu, v[kSum][i], off);
-      v[kMax][i] = fmaxf(v[kMax][i], __shfl_xor_sync(0xffffffffu, v[kMax][i], off));
-      v[kMin][i] = fminf(v[kMin][i], __shfl_xor_sync(0xffffffffu, v[kMin][i], off));
+      sum[i] += x[i];
+      max[i] = fmaxf(max[i], x[i]);
+      min[i] = fminf(min[i], x[i]);
     }
-  const int warp = threadIdx.x / 32;
-  if (threadIdx.x % 32 < kLanesPerRow)
-#pragma unroll
-    for (int s = 0; s < kStatsRows; ++s)
-#pragma unroll
-      for (int i = 0; i < 8; ++i) red[s][warp][lane_c * 8 + i] = v[s][i];
-  __syncthreads();
-  if (threadIdx.x < D) {
-    const int c = threadIdx.x;
-    float sum = red[kSum][0][c], mx = red[kMax][0][c], mn = red[kMin][0][c];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) {
-      sum += red[kSum][w][c];
-      mx = fmaxf(mx, red[kMax][w][c]);
-      mn = fminf(mn, red[kMin][w][c]);
-    }
-    cta_stats[kSum][c] = sum, cta_stats[kMax][c] = mx, cta_stats[kMin][c] = mn;
   }
-  __syncthreads();
-}
-
-// What the quantize step of one tensor reads, in shared memory: the channel means and, for V,
-// the multipliers before encoding, for K the largest |K - mean| over the head (per-tensor
-// scales).
-template <int D>
-struct TensorFinals {
-  float mean[D];
-  float inv[D];
-  float k_amax;
+  __device__ __forceinline__ float row(int s, int i) const {
+    return s == kSum ? sum[i] : s == kMax ? max[i] : min[i];
+  }
 };
-
-// Channel c's sum, max and min over the head's tokens (held by thread c < D; the others pass
-// anything) to the tensor's finals, in `f` and, when `to_workspace`, in the workspace. Every
-// thread of the CTA calls it: it synchronizes.
-template <int D>
-__device__ void finalize_tensor(const sm90::KVQuantParams& p, bool is_v, int64_t head, float sum,
-                                float mx, float mn, TensorFinals<D>& f, bool to_workspace) {
-  __shared__ float s_warp_amax[D / 32];
-  const int c = threadIdx.x;
-  float amax = 0.f;  // channel c's largest |x - mean|
-  if (c < D) {
-    const float mean = (is_v ? p.smooth_v : p.smooth_k) ? sum / p.n_kv : 0.f;
-    // Rounding is monotonic, so the extreme of |x - mean| is reached at the channel's max
-    // or min: the same value a pass over every token would find.
-    amax = fmaxf(mx - mean, mean - mn);
-    f.mean[c] = mean;
-    if (to_workspace) (is_v ? p.out.v_mean : p.out.k_mean)[head * D + c] = mean;
-    // The largest over the channels (per-tensor scales) by a shuffle tree: max is exact in
-    // any order, and one thread looping over D shared values took ~D dependent loads.
-    float m = amax;
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    if (c % 32 == 0) s_warp_amax[c / 32] = m;
-  }
-  __syncthreads();
-  float all_amax = s_warp_amax[0];
-#pragma unroll
-  for (int w = 1; w < D / 32; ++w) all_amax = fmaxf(all_amax, s_warp_amax[w]);
-  if (c < D && is_v) {
-    // INT-FlashAttention: one scale over all channels.
-    const float vamax = p.v_per_tensor ? all_amax : amax;
-    // fp16 V is not scaled: the kernel's epilogue multiplies by 1.
-    const bool v_fp16 = p.pv_path == sm90::PVPath::fp16;
-    f.inv[c] = v_fp16 ? 1.f : rules::symmetric_inverse(vamax, p.v_max);
-    if (to_workspace) {
-      p.out.v_scale[head * D + c] = v_fp16 ? 1.f : rules::symmetric_scale(vamax, p.v_max);
-      p.out.v_inv[head * D + c] = f.inv[c];
-    }
-  } else if (c == 0 && !is_v) {
-    f.k_amax = all_amax;
-    if (to_workspace) p.out.k_amax[head] = all_amax;
-  }
-  __syncthreads();
-}
 
 // Four CTAs per SM: at d = 128, N = 16K the grid (8 CTAs for each of 64 heads) is one wave.
 template <int D, class T>
@@ -203,24 +85,63 @@ __global__ void __cluster_dims__(kStatsCtas, 1, 1) __launch_bounds__(kThreads, 4
   }
   for (; t < p.n_kv; t += kStep) st.add(*reinterpret_cast<const uint4*>(base + int64_t(t) * stride_n));
 
-  __shared__ float red[kStatsRows][kWarps][D];
+  // The CTA's rows, combined in a fixed order.
+  __shared__ float red[kRowsPerIter * D];
   __shared__ float cta_stats[kStatsRows][D];
-  combine_cta_stats<D, T>(st, lane_c, red, cta_stats);
+#pragma unroll
+  for (int s = 0; s < kStatsRows; ++s) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) red[r0 * D + lane_c * 8 + i] = st.row(s, i);
+    __syncthreads();
+    if (threadIdx.x < D) {
+      float acc = red[threadIdx.x];
+      for (int r = 1; r < kRowsPerIter; ++r) {
+        const float v = red[r * D + threadIdx.x];
+        acc = s == kSum ? acc + v : s == kMax ? fmaxf(acc, v) : fminf(acc, v);
+      }
+      cta_stats[s][threadIdx.x] = acc;
+    }
+    __syncthreads();
+  }
   cluster.sync();  // every CTA's cta_stats is written
 
   if (rank == 0) {
-    __shared__ TensorFinals<D> finals;  // only the workspace copy is read (by kv_quantize)
+    __shared__ float s_kamax[D], s_vamax[D];
     const int64_t head = (int64_t)b * p.heads_kv + h;
-    for (int which = 0; which < 2; ++which) {  // 0: K, 1: V
-      float sum = 0.f, mx = -FLT_MAX, mn = FLT_MAX;
-      if (threadIdx.x < D)
-        for (int r = which * kStatsPerTensor; r < (which + 1) * kStatsPerTensor; ++r) {
-          const float* other = cluster.map_shared_rank(&cta_stats[0][0], r);
-          sum += other[kSum * D + threadIdx.x];
-          mx = fmaxf(mx, other[kMax * D + threadIdx.x]);
-          mn = fminf(mn, other[kMin * D + threadIdx.x]);
-        }
-      finalize_tensor<D>(p, which == 1, head, sum, mx, mn, finals, true);
+    if (threadIdx.x < D) {
+      const int c = threadIdx.x;
+      float sum[2] = {0.f, 0.f}, mx[2] = {-FLT_MAX, -FLT_MAX}, mn[2] = {FLT_MAX, FLT_MAX};
+      for (int r = 0; r < kStatsCtas; ++r) {
+        const float* other = cluster.map_shared_rank(&cta_stats[0][0], r);
+        const int which = r / kStatsPerTensor;  // 0: K, 1: V
+        sum[which] += other[kSum * D + c];
+        mx[which] = fmaxf(mx[which], other[kMax * D + c]);
+        mn[which] = fminf(mn[which], other[kMin * D + c]);
+      }
+      const float km = p.smooth_k ? sum[0] / p.n_kv : 0.f;
+      const float vm = p.smooth_v ? sum[1] / p.n_kv : 0.f;
+      // Rounding is monotonic, so the extreme of |x - mean| is reached at the channel's max
+      // or min: the same value a pass over every token would find.
+      s_kamax[c] = fmaxf(mx[0] - km, km - mn[0]);
+      s_vamax[c] = fmaxf(mx[1] - vm, vm - mn[1]);
+      p.out.k_mean[head * D + c] = km;
+      p.out.v_mean[head * D + c] = vm;
+    }
+    __syncthreads();
+    if (threadIdx.x < D) {
+      const int c = threadIdx.x;
+      float vamax = s_vamax[c];
+      if (p.v_per_tensor)  // INT-FlashAttention: one scale over all channels
+        for (int i = 0; i < D; ++i) vamax = fmaxf(vamax, s_vamax[i]);
+      // fp16 V is not scaled: the kernel's epilogue multiplies by 1.
+      const bool v_fp16 = p.pv_path == sm90::PVPath::fp16;
+      p.out.v_scale[head * D + c] = v_fp16 ? 1.f : rules::symmetric_scale(vamax, p.v_max);
+      p.out.v_inv[head * D + c] = v_fp16 ? 1.f : rules::symmetric_inverse(vamax, p.v_max);
+      if (c == 0) {
+        float kamax = 0.f;
+        for (int i = 0; i < D; ++i) kamax = fmaxf(kamax, s_kamax[i]);
+        p.out.k_amax[head] = kamax;
+      }
     }
   }
   cluster.sync();  // the other CTAs' shared memory stays alive until rank 0 has read it
@@ -268,63 +189,14 @@ __device__ __forceinline__ void store_vt_tile(const sm90::KVQuantParams& p, int 
 }
 
 
-// ---- where a quantize step reads rows ---------------------------------------------------------
-// load(t, chunk): channels 8 * chunk .. 8 * chunk + 7 of the head's token t, as raw 16-bit
-// values. The two-pass plan reads global memory; the single-read kernel the copy of the head
-// it staged in shared memory.
-template <class T>
-struct GlobalRows {
-  static constexpr bool kPreload = true;  // all loads first: DRAM latency
-  const T* head;  // the (batch, head)'s first token
-  int64_t stride_n;
-  __device__ __forceinline__ uint4 load(int t, int chunk) const {
-    return *reinterpret_cast<const uint4*>(head + int64_t(t) * stride_n + chunk * 8);
-  }
-};
-
-// Staged rows are kStagedPitch<D> bytes apart: 16 bytes of padding per row, so that a quarter
-// warp reading one chunk of eight rows (the V transpose) spreads over the banks: 2-way
-// conflicts at d = 128 with the P-layout permutation, none elsewhere. Row-wise reads
-// (statistics, K) are conflict-free. (An XOR swizzle of the chunk by bits 4, 1 ^ 3 and 2 of the
-// row removes the last conflicts but costs integer work on every address: build knob
-// SAGE_STAGED_SWIZZLE=1.)
-#ifndef SAGE_STAGED_SWIZZLE
-#define SAGE_STAGED_SWIZZLE 0
-#endif
-template <int D>
-constexpr int kStagedPitch = 2 * D + (SAGE_STAGED_SWIZZLE ? 0 : 16);
-template <int D>
-__device__ __forceinline__ int staged_offset(int r, int chunk) {
-  if constexpr (SAGE_STAGED_SWIZZLE) {
-    const int f = ((r >> 4) & 1) | (((r >> 1) ^ (r >> 3)) & 1) << 1 | ((r >> 2) & 1) << 2;
-    return r * kStagedPitch<D> + 16 * (chunk ^ f);
-  } else {
-    return r * kStagedPitch<D> + 16 * chunk;
-  }
-}
-template <int D>
-struct StagedRows {
-  // Loaded where used, twice where used twice: holding a tile's rows in registers as the
-  // global path does took the kernel to 171-214 registers (ptxas), one CTA per SM.
-  static constexpr bool kPreload = false;
-  const uint8_t* rows;  // the CTA's first staged token
-  int first_token;
-  __device__ __forceinline__ uint4 load(int t, int chunk) const {
-    return *reinterpret_cast<const uint4*>(rows + staged_offset<D>(t - first_token, chunk));
-  }
-};
-
 // ---- pass 2: quantize ----------------------------------------------------------------------
 // Two CTAs per 128-token tile, one for K and one for V (blockIdx.x = 2 * tile + is_v). Each
 // holds only its own tensor's rows in registers, all loads issued first: 64 registers per
 // thread at d = 128 where one CTA for both took 126, so three CTAs per SM instead of two (that
 // v8 kernel ran at 39% of DRAM bandwidth, ncu, H100, d = 128, N = 1K).
-// kmean: the head's D channel means; k_amax: its largest |K - mean| (read for per-tensor
-// scales only).
-template <int D, class T, class Rows>
+template <int D, class T>
 __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, int tile, int h,
-                                                int b, const Rows& rows, const float* kmean,
-                                                const float* k_amax) {
+                                                int b) {
   constexpr int kLanesPerRow = D / 8;
   constexpr int kRowsPerIter = kThreads / kLanesPerRow;
   constexpr int kRows = sm90::kBlockKV / kRowsPerIter;  // rows per thread
@@ -334,20 +206,16 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
   __shared__ float s_row_amax[sm90::kBlockKV];
   __shared__ float s_kinv[sm90::kBlockKV];  // per token, or the tile's per-thread groups
 
-  // Zeros past n_kv: padding never counts toward a scale.
-  auto load_row = [&](int i) {
-    const int t = tile * sm90::kBlockKV + r0 + i * kRowsPerIter;
-    return t < p.n_kv ? rows.load(t, lane_c) : make_uint4(0, 0, 0, 0);
-  };
-  uint4 raw[Rows::kPreload ? kRows : 1];
-  if constexpr (Rows::kPreload)
+  const T* kb = static_cast<const T*>(p.k) + b * p.k_stride_b + h * p.k_stride_h + lane_c * 8;
+  uint4 raw[kRows];
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) raw[i] = load_row(i);
-  auto row = [&](int i) {
-    if constexpr (Rows::kPreload) return raw[i];
-    else return load_row(i);
-  };
-  if (threadIdx.x < D) s_kmean[threadIdx.x] = kmean[threadIdx.x];
+  for (int i = 0; i < kRows; ++i) {
+    const int t = tile * sm90::kBlockKV + r0 + i * kRowsPerIter;
+    // Zeros past n_kv: padding never counts toward a scale.
+    raw[i] = t < p.n_kv ? *reinterpret_cast<const uint4*>(kb + (int64_t)t * p.k_stride_n)
+                        : make_uint4(0, 0, 0, 0);
+  }
+  if (threadIdx.x < D) s_kmean[threadIdx.x] = p.out.k_mean[head * D + threadIdx.x];
   __syncthreads();
   // The thread's eight channel means, as two 16-byte loads where they are used: read one float
   // at a time, they were 16 shared loads per row (four-way bank conflicts), the kernel's
@@ -365,7 +233,7 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
   for (int i = 0; i < kRows; ++i) {
     const int r = r0 + i * kRowsPerIter;
     float x[8];
-    gpu::unpack8<T>(row(i), x);
+    gpu::unpack8<T>(raw[i], x);
     float km[8];
     kmean8(km);
     float amax = 0.f;
@@ -403,7 +271,7 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
       float a;
       switch (p.k_granularity) {
         case Granularity::per_thread: a = group_amax; break;
-        case Granularity::per_tensor: a = *k_amax; break;
+        case Granularity::per_tensor: a = p.out.k_amax[head]; break;
         default:  // per_block and per_warp: every warp reads the whole K tile
           a = fmaxf(tile_amax, both_groups);
           break;
@@ -431,7 +299,7 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
                                                                           : 0];
     const bool valid = tile * sm90::kBlockKV + r < p.n_kv;
     float x[8], km[8];
-    gpu::unpack8<T>(row(i), x);
+    gpu::unpack8<T>(raw[i], x);
     kmean8(km);
     uint32_t c[8];
 #pragma unroll
@@ -458,17 +326,16 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
 // load reads whole 128-byte rows: half rows measured 11% slower there (H100, 2026-11-23).
 // (Until v11 each thread stored single bytes of one token's channels: 4x the shared-memory
 // stores, 4-way bank conflicts.)
-// vmean, vinv: the head's D channel means and multipliers before encoding.
-template <int D, class T, VFormat F, class Rows>
+template <int D, class T, VFormat F>
 __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, int tile, int h,
-                                                int b, uint8_t* s_vt, const Rows& rows,
-                                                const float* vmean, const float* vinv) {
+                                                int b, uint8_t* s_vt) {
   constexpr int kChunks = D / 8;                 // 8-channel pieces of a token's row
   constexpr int kQuads = sm90::kBlockKV / 4;     // groups of four stored positions per tile
   constexpr int kChunksPerWarp = kChunks == 8 ? 8 : 4, kQuadsPerWarp = 32 / kChunksPerWarp;
   constexpr int kUnits = kQuads * kChunks / kThreads;  // (quad, chunk) units per thread
   static_assert(kQuads * kChunks % kThreads == 0 && kQuads % kQuadsPerWarp == 0 &&
                 kChunks % kChunksPerWarp == 0, "unit map");
+  const int64_t head = (int64_t)b * p.heads_kv + h;
   constexpr bool v_fp16 = F == VFormat::fp16;
   __shared__ float s_vmean[D], s_vinv[D];
 
@@ -486,20 +353,21 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
     return v_fp16 ? pos : 32 * (pos / 32) + pv_token_at_position(pos % 32);
   };
 
-  // Zeros past n_kv: padding never counts toward a scale.
-  auto load_row = [&](int k, int i) {
-    const int t = tile * sm90::kBlockKV + token_at(unit_quad(k), i);
-    return t < p.n_kv ? rows.load(t, unit_chunk(k)) : make_uint4(0, 0, 0, 0);
-  };
-  uint4 raw[Rows::kPreload ? kUnits : 1][4];
-  if constexpr (Rows::kPreload)
+  const T* vb = static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h;
+  uint4 raw[kUnits][4];
 #pragma unroll
-    for (int k = 0; k < kUnits; ++k)
+  for (int k = 0; k < kUnits; ++k)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) raw[k][i] = load_row(k, i);
+    for (int i = 0; i < 4; ++i) {
+      const int t = tile * sm90::kBlockKV + token_at(unit_quad(k), i);
+      // Zeros past n_kv: padding never counts toward a scale.
+      raw[k][i] = t < p.n_kv ? *reinterpret_cast<const uint4*>(vb + (int64_t)t * p.v_stride_n +
+                                                               unit_chunk(k) * 8)
+                             : make_uint4(0, 0, 0, 0);
+    }
   if (threadIdx.x < D) {
-    s_vmean[threadIdx.x] = vmean[threadIdx.x];
-    s_vinv[threadIdx.x] = vinv[threadIdx.x];
+    s_vmean[threadIdx.x] = p.out.v_mean[head * D + threadIdx.x];
+    s_vinv[threadIdx.x] = p.out.v_inv[head * D + threadIdx.x];
   }
   __syncthreads();
 
@@ -518,7 +386,7 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
       float2 y[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const uint4 r = Rows::kPreload ? raw[Rows::kPreload ? k : 0][i] : load_row(k, i);
+        const uint4& r = raw[k][i];
         y[i] = gpu::word_to_float2<T>(w == 0 ? r.x : w == 1 ? r.y : w == 2 ? r.z : r.w);
       }
 #pragma unroll
@@ -544,129 +412,20 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
   store_vt_tile<D>(p, b, h, tile, s_vt, pitch, v_bytes);
 }
 
-// The V tile in the path's format.
-template <int D, class T, class Rows>
-__device__ __forceinline__ void quantize_v_tile_in_format(const sm90::KVQuantParams& p, int tile,
-                                                          int h, int b, uint8_t* s_vt,
-                                                          const Rows& rows, const float* vmean,
-                                                          const float* vinv) {
-  if (p.pv_path == sm90::PVPath::fp16)
-    quantize_v_tile<D, T, VFormat::fp16>(p, tile, h, b, s_vt, rows, vmean, vinv);
-  else if (p.pv_path == sm90::PVPath::int8)
-    quantize_v_tile<D, T, VFormat::int8>(p, tile, h, b, s_vt, rows, vmean, vinv);
-  else
-    quantize_v_tile<D, T, VFormat::e4m3>(p, tile, h, b, s_vt, rows, vmean, vinv);
-}
-
 template <int D, class T>
 __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQuantParams p) {
   // The transposed V tile: dynamic, sized by the launch for the path's element size, so that
   // 8-bit V does not pay fp16's shared memory in occupancy.
   extern __shared__ __align__(16) uint8_t s_vt[];
   const int tile = blockIdx.x / 2, h = blockIdx.y, b = blockIdx.z;
-  const int64_t head = (int64_t)b * p.heads_kv + h;
-  if (blockIdx.x % 2 == 0) {
-    const GlobalRows<T> rows{static_cast<const T*>(p.k) + b * p.k_stride_b + h * p.k_stride_h,
-                             p.k_stride_n};
-    quantize_k_tile<D, T>(p, tile, h, b, rows, p.out.k_mean + head * D, p.out.k_amax + head);
-  } else {
-    const GlobalRows<T> rows{static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h,
-                             p.v_stride_n};
-    quantize_v_tile_in_format<D, T>(p, tile, h, b, s_vt, rows, p.out.v_mean + head * D,
-                                    p.out.v_inv + head * D);
-  }
-}
-
-// ---- the single-read plan ----------------------------------------------------------------------
-// One cluster per (batch, kv head, tensor) stages the head's whole K (or V) in its CTAs' shared
-// memory, takes the statistics from there, combines them through distributed shared memory and
-// quantizes the staged tiles: the head's 16-bit rows cross DRAM once, where the two-pass plan
-// reads them twice (once for the statistics, once to quantize). The heads whose rows do not
-// fit in a cluster take the two-pass plan.
-template <int D>
-constexpr int kSingleReadMaxTilesPerCta = D == 128 ? 4 : 8;  // 128 KiB of staged rows
-#ifndef SAGE_SINGLE_READ_MAX_CLUSTER  // a build knob for A/B runs: 16 is non-portable
-#define SAGE_SINGLE_READ_MAX_CLUSTER 8
-#endif
-constexpr int kSingleReadMaxCluster = SAGE_SINGLE_READ_MAX_CLUSTER;
-// Three CTAs per SM: 80 registers and no spills, where four (64) spilled 72-76 bytes (ptxas);
-// unbounded, ptxas took 126-208 to hoist shared loads.
-#ifndef SAGE_SINGLE_READ_CTAS_PER_SM  // a build knob for A/B runs
-#define SAGE_SINGLE_READ_CTAS_PER_SM 3
-#endif
-constexpr int kSingleReadCtasPerSm = SAGE_SINGLE_READ_CTAS_PER_SM;
-
-template <int D, class T>
-__global__ void __launch_bounds__(kThreads, kSingleReadCtasPerSm)
-    kv_single_read_kernel(const sm90::KVQuantParams p, int tiles_per_cta) {
-  namespace cg = cooperative_groups;
-  constexpr int kLanesPerRow = D / 8;
-  constexpr int kRowsPerIter = kThreads / kLanesPerRow;
-  // The staged rows (tiles_per_cta * kBlockKV rows, kStagedPitch<D> apart), then the V
-  // transpose.
-  extern __shared__ __align__(16) uint8_t smem[];
-  cg::cluster_group cluster = cg::this_cluster();
-  const int rank = int(cluster.block_rank()), ranks = int(cluster.num_blocks());
-  const bool is_v = int(blockIdx.x) >= ranks;  // grid.x = 2 * ranks: K's cluster, then V's
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int64_t head = (int64_t)b * p.heads_kv + h;
-  const int first_tile = rank * tiles_per_cta;
-  const int tiles = min(tiles_per_cta, p.n_pad / sm90::kBlockKV - first_tile);
-  const int first_token = first_tile * sm90::kBlockKV;
-  const int valid_rows = max(0, min(tiles * sm90::kBlockKV, p.n_kv - first_token));
-  uint8_t* staged = smem;
-  uint8_t* s_vt = smem + tiles_per_cta * sm90::kBlockKV * kStagedPitch<D>;
-
-  // 1. Stage the rows below n_kv (the tile functions read none past it).
-  const T* src = is_v ? static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h
-                      : static_cast<const T*>(p.k) + b * p.k_stride_b + h * p.k_stride_h;
-  const int64_t stride_n = is_v ? p.v_stride_n : p.k_stride_n;
-  for (int i = threadIdx.x; i < valid_rows * kLanesPerRow; i += kThreads) {
-    const int r = i / kLanesPerRow, c = i % kLanesPerRow;
-    sm90::cp_async_16(staged + staged_offset<D>(r, c),
-                      src + int64_t(first_token + r) * stride_n + c * 8, 16);
-  }
-  sm90::cp_async_commit();
-  sm90::cp_async_wait_all();
-  __syncthreads();
-
-  // 2. The CTA's statistics.
-  const int lane_c = threadIdx.x % kLanesPerRow, r0 = threadIdx.x / kLanesPerRow;
-  const StagedRows<D> rows{staged, first_token};
-  ChannelStats<T> st;
-  st.init();
-  for (int r = r0; r < valid_rows; r += kRowsPerIter) st.add(rows.load(first_token + r, lane_c));
-  __shared__ float red[kStatsRows][kWarps][D];
-  __shared__ float cta_stats[kStatsRows][D];
-  combine_cta_stats<D, T>(st, lane_c, red, cta_stats);
-  cluster.sync();  // every CTA's cta_stats is written
-
-  // 3. Each CTA combines the cluster's statistics itself, in rank order: the same finals in
-  // every CTA, without a second round trip through rank 0.
-  float sum = 0.f, mx = -FLT_MAX, mn = FLT_MAX;
-  if (threadIdx.x < D)
-#pragma unroll
-    for (int r = 0; r < kSingleReadMaxCluster; ++r) {
-      if (r >= ranks) break;
-      const float* other = cluster.map_shared_rank(&cta_stats[0][0], r);
-      sum += other[kSum * D + threadIdx.x];
-      mx = fmaxf(mx, other[kMax * D + threadIdx.x]);
-      mn = fminf(mn, other[kMin * D + threadIdx.x]);
-    }
-  sm90::cluster_arrive_release();  // done with the peers' shared memory
-  __shared__ TensorFinals<D> finals;
-  finalize_tensor<D>(p, is_v, head, sum, mx, mn, finals, rank == 0);
-
-  // 4. Quantize the staged tiles.
-  for (int i = 0; i < tiles; ++i) {
-    if (i > 0) __syncthreads();  // the tile functions' shared scratch is reused
-    if (is_v)
-      quantize_v_tile_in_format<D, T>(p, first_tile + i, h, b, s_vt, rows, finals.mean,
-                                      finals.inv);
-    else
-      quantize_k_tile<D, T>(p, first_tile + i, h, b, rows, finals.mean, &finals.k_amax);
-  }
-  sm90::cluster_wait_acquire();  // the peers have read cta_stats: it may be freed
+  if (blockIdx.x % 2 == 0)
+    quantize_k_tile<D, T>(p, tile, h, b);
+  else if (p.pv_path == sm90::PVPath::fp16)
+    quantize_v_tile<D, T, VFormat::fp16>(p, tile, h, b, s_vt);
+  else if (p.pv_path == sm90::PVPath::int8)
+    quantize_v_tile<D, T, VFormat::int8>(p, tile, h, b, s_vt);
+  else
+    quantize_v_tile<D, T, VFormat::e4m3>(p, tile, h, b, s_vt);
 }
 
 // Pass for prequantized INT8 inputs (INT-FlashAttention): nothing to measure or quantize, so
@@ -716,82 +475,25 @@ __global__ void __launch_bounds__(kThreads) kv_copy_prequantized_kernel(const sm
   store_vt_tile<D>(p, b, h, tile, s_vt, kVtPitch8, 1);
 }
 
-// Bytes of the V transpose: D rows of a tile's codes (8-bit or fp16) plus padding.
-size_t vt_bytes(int d, sm90::PVPath path) { return size_t(d) * sm90::v_bytes(path) * kVtPitch8; }
-
 }  // namespace
 
-template <int D>
-SingleReadShape single_read_shape(int n_pad, sm90::PVPath path) {
-  const int tiles = n_pad / sm90::kBlockKV;
-  SingleReadShape s;
-  s.tiles_per_cta = (tiles + kSingleReadMaxCluster - 1) / kSingleReadMaxCluster;
-  s.fits = tiles > 0 && s.tiles_per_cta <= kSingleReadMaxTilesPerCta<D>;
-  s.cluster = s.fits ? (tiles + s.tiles_per_cta - 1) / s.tiles_per_cta : 0;
-  s.smem_bytes = size_t(s.tiles_per_cta) * sm90::kBlockKV * kStagedPitch<D> + vt_bytes(D, path);
-  return s;
-}
-
 template <int D, class T>
-PrepassPlan launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream, PrepassPlan plan) {
+void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream) {
   if (p.k_scale_in != nullptr) {
-    if (plan != PrepassPlan::automatic)
-      throw Error("plan", "prequantized inputs have one pre-pass (a copy): pass automatic");
     const dim3 grid(p.n_pad / sm90::kBlockKV, p.heads_kv, p.batch);
     kv_copy_prequantized_kernel<D><<<grid, kThreads, 0, stream>>>(p);
-    return PrepassPlan::automatic;
-  }
-  const SingleReadShape s = single_read_shape<D>(p.n_pad, p.pv_path);
-  if (plan == PrepassPlan::single_read && !s.fits)
-    throw Error("plan", "single_read needs at most " +
-                            std::to_string(kSingleReadMaxCluster * kSingleReadMaxTilesPerCta<D> *
-                                           sm90::kBlockKV) +
-                            " keys at this head dim (n_pad is " + std::to_string(p.n_pad) + ")");
-  if (plan == PrepassPlan::single_read || (plan == PrepassPlan::automatic && s.fits)) {
-    auto* kernel = kv_single_read_kernel<D, T>;
-    // Set once per instantiation, for the largest staging any call asks for.
-    static const cudaError_t attr_err = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        int(size_t(kSingleReadMaxTilesPerCta<D>) * sm90::kBlockKV * kStagedPitch<D> +
-            vt_bytes(D, sm90::PVPath::fp16)));
-    if (attr_err != cudaSuccess) sm90::throw_cuda("K/V pre-pass shared memory attribute", attr_err);
-    // All of the unified L1/shared memory as shared: left to the driver, the carveout it
-    // picked held fewer CTAs per SM than registers allow.
-    static const cudaError_t carveout_err = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributePreferredSharedMemoryCarveout, int(cudaSharedmemCarveoutMaxShared));
-    if (carveout_err != cudaSuccess) sm90::throw_cuda("K/V pre-pass carveout attribute", carveout_err);
-    if constexpr (kSingleReadMaxCluster > 8) {
-      static const cudaError_t cluster_err =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-      if (cluster_err != cudaSuccess) sm90::throw_cuda("K/V pre-pass cluster attribute", cluster_err);
-    }
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(2 * s.cluster, p.heads_kv, p.batch);  // K's cluster, then V's
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = s.smem_bytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = unsigned(s.cluster), attr.val.clusterDim.y = 1, attr.val.clusterDim.z = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, p, s.tiles_per_cta);
-    if (err != cudaSuccess) sm90::throw_cuda("K/V single-read pre-pass launch", err);
-    return PrepassPlan::single_read;
+    return;
   }
   const dim3 stats_grid(kStatsCtas, p.heads_kv, p.batch);  // one cluster per head
   kv_stats_kernel<D, T><<<stats_grid, kThreads, 0, stream>>>(p);
   const dim3 quant_grid(2 * (p.n_pad / sm90::kBlockKV), p.heads_kv, p.batch);
-  kv_quantize_kernel<D, T><<<quant_grid, kThreads, vt_bytes(D, p.pv_path), stream>>>(p);  // < 48 KiB
-  return PrepassPlan::two_pass;
+  const size_t vt_bytes = size_t(D) * sm90::v_bytes(p.pv_path) * kVtPitch8;  // < 48 KiB
+  kv_quantize_kernel<D, T><<<quant_grid, kThreads, vt_bytes, stream>>>(p);
 }
 
-#define SAGE_INSTANTIATE_PREPASS(D)                                                          \
-  template SingleReadShape single_read_shape<D>(int, sm90::PVPath);                         \
-  template PrepassPlan launch_kv_prepass<D, __half>(const sm90::KVQuantParams&, cudaStream_t, \
-                                                    PrepassPlan);                           \
-  template PrepassPlan launch_kv_prepass<D, __nv_bfloat16>(const sm90::KVQuantParams&,      \
-                                                           cudaStream_t, PrepassPlan);
+#define SAGE_INSTANTIATE_PREPASS(D)                                                        \
+  template void launch_kv_prepass<D, __half>(const sm90::KVQuantParams&, cudaStream_t);   \
+  template void launch_kv_prepass<D, __nv_bfloat16>(const sm90::KVQuantParams&, cudaStream_t);
 SAGE_FOR_EACH_HEAD_DIM(SAGE_INSTANTIATE_PREPASS)
 
 }  // namespace sage::quant

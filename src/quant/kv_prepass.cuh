@@ -1,12 +1,6 @@
-// The K/V pre-pass: what turns fp16/bf16 K and V into what the attention kernel streams with
-// TMA. Two plans compute the same values:
+// The K/V pre-pass: two launches that turn fp16/bf16 K and V into what the attention kernel
+// streams with TMA.
 //
-// single_read (one launch): one cluster per (batch, kv head, tensor) stages the head's K or V
-//   in shared memory, combines its statistics through distributed shared memory and quantizes
-//   the staged rows, so that K and V are read from DRAM once. For heads up to 4096 keys at
-//   d = 128 and 8192 at d = 64 (single_read_shape).
-//
-// two_pass (two launches), for longer heads:
 //   1. kv_stats: one cluster of CTAs per head reads K and V once and writes the head's
 //      channel statistics (K mean, V mean, V scale and its inverse, K's largest |K - mean|),
 //      combined on chip in a fixed order, so repeated calls are bit-identical.
@@ -47,23 +41,7 @@ constexpr bool pv_positions_invert() {
 }
 static_assert(pv_positions_invert(), "pv_token_at_position inverts pv_position_of_token");
 
-enum class PrepassPlan { automatic, single_read, two_pass };
-
-// The single-read kernel's launch for a head of n_pad keys: `fits` says whether the head's
-// rows fit in one cluster's shared memory.
-struct SingleReadShape {
-  bool fits;
-  int cluster, tiles_per_cta;
-  size_t smem_bytes;
-};
-template <int D>
-SingleReadShape single_read_shape(int n_pad, sm90::PVPath path);
-
-// Launches the pre-pass and returns the plan it ran: automatic takes single_read where the
-// head fits. Prequantized INT8 inputs have one pre-pass, a copy, and accept only automatic
-// (returned as is). Throws sage::Error naming `plan` for a plan that cannot run.
 template <int D, class T>
-PrepassPlan launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream,
-                              PrepassPlan plan = PrepassPlan::automatic);
+void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream);
 
 }  // namespace sage::quant

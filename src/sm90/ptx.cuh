@@ -68,29 +68,6 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-// ---- cp.async and split cluster barriers (the K/V pre-pass) --------------------------------
-
-// 16 bytes from global to shared memory without passing through a register; with
-// src_bytes = 0 nothing is read and the destination is zero-filled.
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
-// The two halves of cluster.sync(), for a CTA that must stay resident until its cluster
-// peers have read its shared memory but has other work to do meanwhile.
-__device__ __forceinline__ void cluster_arrive_release() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait_acquire() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
 // ---- TMA -----------------------------------------------------------------------------------
 
 // Brings a global line into L2 without waiting for it or holding a register.

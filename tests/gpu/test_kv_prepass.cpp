@@ -1,16 +1,12 @@
 // The K/V pre-pass on its own: its INT8 K codes and scales, and its transposed, permuted
-// E4M3 V, against a CPU recomputation from the same formulas (quant_rules.h, formats.h), for
-// both plans (kv_prepass.cuh): the single-read kernel with one and with several tiles per CTA,
-// and the two-pass kernels.
+// E4M3 V, against a CPU recomputation from the same formulas (quant_rules.h, formats.h).
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdio>
-#include <string>
 #include <vector>
 
 #include "gpu_harness.h"
-#include "sage/error.h"
 #include "reference/synthetic.h"
 #include "sage/formats.h"
 #include "sage/quant_rules.h"
@@ -25,20 +21,11 @@
 namespace sage::testing {
 namespace {
 
-struct PrepassCase {
-  int n;
-  const char* plan;  // "single_read" or "two_pass"
-};
-class KVPrepass : public ::testing::TestWithParam<PrepassCase> {};
-
-TEST_P(KVPrepass, MatchesCpuQuantization) {
+TEST(KVPrepass, MatchesCpuQuantization) {
   SAGE_REQUIRE_GPU();
 #ifdef SAGE_WITH_CUDA
   constexpr int D = 128;
-  const int n = GetParam().n, n_pad = (n + 127) / 128 * 128, tiles = n_pad / sm90::kBlockKV;
-  const quant::PrepassPlan plan = std::string(GetParam().plan) == "single_read"
-                                      ? quant::PrepassPlan::single_read
-                                      : quant::PrepassPlan::two_pass;
+  const int n = 300, n_pad = 384, tiles = n_pad / sm90::kBlockKV;
   reference::SyntheticShape shape;
   shape.n_q = shape.n_kv = n, shape.head_dim = D;
   const reference::SyntheticInputs in = reference::make_synthetic("k_bias", shape, 3);
@@ -70,8 +57,7 @@ TEST_P(KVPrepass, MatchesCpuQuantization) {
   p.out.v_mean = static_cast<float*>(dev(D * 4));
   p.out.v_inv = static_cast<float*>(dev(D * 4));
   p.out.k_amax = static_cast<float*>(dev(4));
-  const quant::PrepassPlan ran = quant::launch_kv_prepass<D, __half>(p, nullptr, plan);
-  EXPECT_EQ(ran, plan);
+  quant::launch_kv_prepass<D, __half>(p, nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
   std::vector<int8_t> k_codes(n_pad * D);
@@ -136,42 +122,6 @@ TEST_P(KVPrepass, MatchesCpuQuantization) {
   EXPECT_EQ(scale_mismatch, 0);
   EXPECT_EQ(k_mismatch, 0);
   EXPECT_EQ(v_mismatch, 0);
-  for (void* ptr : {dk, dv, static_cast<void*>(p.out.k), static_cast<void*>(p.out.vt),
-                    static_cast<void*>(p.out.k_scale), static_cast<void*>(p.out.k_mean),
-                    static_cast<void*>(p.out.v_scale), static_cast<void*>(p.out.v_mean),
-                    static_cast<void*>(p.out.v_inv), static_cast<void*>(p.out.k_amax)})
-    cudaFree(ptr);
-#endif
-}
-
-// 300 keys: three tiles, one per CTA of a 3-CTA cluster; 2000: sixteen tiles, two per CTA of
-// an 8-CTA cluster.
-INSTANTIATE_TEST_SUITE_P(Plans, KVPrepass,
-                         ::testing::Values(PrepassCase{300, "single_read"},
-                                           PrepassCase{300, "two_pass"},
-                                           PrepassCase{2000, "single_read"},
-                                           PrepassCase{2000, "two_pass"}),
-                         [](const ::testing::TestParamInfo<PrepassCase>& info) {
-                           return std::string(info.param.plan) + "_n" +
-                                  std::to_string(info.param.n);
-                         });
-
-// A head longer than a cluster's shared memory holds cannot take the single-read plan: the
-// launcher says so instead of running the other plan.
-TEST(KVPrepassPlan, SingleReadRefusesLongHeads) {
-  SAGE_REQUIRE_GPU();
-#ifdef SAGE_WITH_CUDA
-  sm90::KVQuantParams p{};
-  p.batch = 1, p.heads_kv = 1, p.n_kv = 5000, p.n_pad = 5120;
-  EXPECT_FALSE(quant::single_read_shape<128>(p.n_pad, sm90::PVPath::e4m3_two_level).fits);
-  EXPECT_TRUE(quant::single_read_shape<128>(4096, sm90::PVPath::e4m3_two_level).fits);
-  EXPECT_TRUE(quant::single_read_shape<64>(8192, sm90::PVPath::e4m3_two_level).fits);
-  try {
-    (void)quant::launch_kv_prepass<128, __half>(p, nullptr, quant::PrepassPlan::single_read);
-    ADD_FAILURE() << "no error";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.argument(), "plan");
-  }
 #endif
 }
 
