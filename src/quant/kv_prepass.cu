@@ -5,6 +5,7 @@
 #include <cuda_fp16.h>
 
 #include <cfloat>
+#include <type_traits>
 
 #include "common/vec_io.cuh"
 #include "sage/error.h"
@@ -27,30 +28,93 @@ constexpr int kThreads = 256;
 // growing as N^2, 1.4 ms of pre-pass at d = 128, N = 16K on the H100 against 0.86 ms at 1K.)
 constexpr int kStatsCtas = 8;
 constexpr int kStatsPerTensor = kStatsCtas / 2;
-constexpr int kStatsUnroll = 4;  // rows in flight per thread
+// Rows in flight per thread: 8 (60 registers, still four CTAs per SM) against 4 took the
+// pre-pass from 0.371 to 0.358 ms at d = 128, N = 1K (H200, v20, same-run A/B).
+constexpr int kStatsUnroll = 8;
 enum StatsRow : int { kSum = 0, kMax, kMin, kStatsRows };
 
 template <class T>
 struct ChannelStats {
-  float sum[8], max[8], min[8];
+  // The extremes stay packed in the input type (exact, and one max or min per two values);
+  // the sums are fp32.
+  using Pair = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+  static constexpr uint32_t kMinusInf = std::is_same_v<T, __half> ? 0xFC00FC00u : 0xFF80FF80u;
+  static constexpr uint32_t kPlusInf = kMinusInf & 0x7FFF7FFFu;
+  float sum[8];
+  Pair max2[4], min2[4];
+  __device__ __forceinline__ static Pair as_pair(uint32_t w) {
+    return *reinterpret_cast<const Pair*>(&w);
+  }
   __device__ __forceinline__ void init() {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) sum[i] = 0.f, max[i] = -FLT_MAX, min[i] = FLT_MAX;
+    for (int i = 0; i < 8; ++i) sum[i] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) max2[j] = as_pair(kMinusInf), min2[j] = as_pair(kPlusInf);
   }
   __device__ __forceinline__ void add(const uint4& raw) {
-    float x[8];
-    gpu::unpack8<T>(raw, x);
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      sum[i] += x[i];
-      max[i] = fmaxf(max[i], x[i]);
-      min[i] = fminf(min[i], x[i]);
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = gpu::word_to_float2<T>(w[j]);
+      sum[2 * j] += f.x;
+      sum[2 * j + 1] += f.y;
+      max2[j] = __hmax2(max2[j], as_pair(w[j]));
+      min2[j] = __hmin2(min2[j], as_pair(w[j]));
     }
   }
-  __device__ __forceinline__ float row(int s, int i) const {
-    return s == kSum ? sum[i] : s == kMax ? max[i] : min[i];
+  // Value i of the max (or min) as a float.
+  __device__ __forceinline__ float max(int i) const { return half_of(max2[i / 2], i % 2); }
+  __device__ __forceinline__ float min(int i) const { return half_of(min2[i / 2], i % 2); }
+
+ private:
+  __device__ __forceinline__ static float half_of(Pair p, int hi) {
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(&p);
+    const float2 f = gpu::word_to_float2<T>(w);
+    return hi ? f.y : f.x;
   }
 };
+
+// The CTA's per-thread statistics combined in a fixed order, so that repeated calls are
+// bit-identical: cta_stats[s][c] for s in StatsRow. The lanes of a warp that hold the same
+// channels combine by shuffles first, then thread c < D takes the warps' rows from `red`: one
+// round of shared memory for the three statistics, where until v20 a round per statistic over
+// every thread row put ~50 dependent shared loads on each CTA's path. Every thread calls it.
+constexpr int kWarps = kThreads / 32;
+template <int D, class T>
+__device__ __forceinline__ void combine_cta_stats(const ChannelStats<T>& st, int lane_c,
+                                                  float (*red)[kWarps][D], float (*cta_stats)[D]) {
+  constexpr int kLanesPerRow = D / 8;
+  float v[kStatsRows][8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[kSum][i] = st.sum[i], v[kMax][i] = st.max(i), v[kMin][i] = st.min(i);
+#pragma unroll
+  for (int off = kLanesPerRow; off < 32; off *= 2)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      v[kSum][i] += __shfl_xor_sync(0xffffffffu, v[kSum][i], off);
+      v[kMax][i] = fmaxf(v[kMax][i], __shfl_xor_sync(0xffffffffu, v[kMax][i], off));
+      v[kMin][i] = fminf(v[kMin][i], __shfl_xor_sync(0xffffffffu, v[kMin][i], off));
+    }
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 < kLanesPerRow)
+#pragma unroll
+    for (int s = 0; s < kStatsRows; ++s)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) red[s][warp][lane_c * 8 + i] = v[s][i];
+  __syncthreads();
+  if (threadIdx.x < D) {
+    const int c = threadIdx.x;
+    float sum = red[kSum][0][c], mx = red[kMax][0][c], mn = red[kMin][0][c];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) {
+      sum += red[kSum][w][c];
+      mx = fmaxf(mx, red[kMax][w][c]);
+      mn = fminf(mn, red[kMin][w][c]);
+    }
+    cta_stats[kSum][c] = sum, cta_stats[kMax][c] = mx, cta_stats[kMin][c] = mn;
+  }
+  __syncthreads();
+}
 
 // Four CTAs per SM: at d = 128, N = 16K the grid (8 CTAs for each of 64 heads) is one wave.
 template <int D, class T>
@@ -85,66 +149,65 @@ __global__ void __cluster_dims__(kStatsCtas, 1, 1) __launch_bounds__(kThreads, 4
   }
   for (; t < p.n_kv; t += kStep) st.add(*reinterpret_cast<const uint4*>(base + int64_t(t) * stride_n));
 
-  // The CTA's rows, combined in a fixed order.
-  __shared__ float red[kRowsPerIter * D];
+  __shared__ float red[kStatsRows][kWarps][D];
   __shared__ float cta_stats[kStatsRows][D];
-#pragma unroll
-  for (int s = 0; s < kStatsRows; ++s) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) red[r0 * D + lane_c * 8 + i] = st.row(s, i);
-    __syncthreads();
-    if (threadIdx.x < D) {
-      float acc = red[threadIdx.x];
-      for (int r = 1; r < kRowsPerIter; ++r) {
-        const float v = red[r * D + threadIdx.x];
-        acc = s == kSum ? acc + v : s == kMax ? fmaxf(acc, v) : fminf(acc, v);
-      }
-      cta_stats[s][threadIdx.x] = acc;
-    }
-    __syncthreads();
-  }
+  combine_cta_stats<D, T>(st, lane_c, red, cta_stats);
   cluster.sync();  // every CTA's cta_stats is written
-
-  if (rank == 0) {
-    __shared__ float s_kamax[D], s_vamax[D];
-    const int64_t head = (int64_t)b * p.heads_kv + h;
-    if (threadIdx.x < D) {
-      const int c = threadIdx.x;
-      float sum[2] = {0.f, 0.f}, mx[2] = {-FLT_MAX, -FLT_MAX}, mn[2] = {FLT_MAX, FLT_MAX};
-      for (int r = 0; r < kStatsCtas; ++r) {
-        const float* other = cluster.map_shared_rank(&cta_stats[0][0], r);
-        const int which = r / kStatsPerTensor;  // 0: K, 1: V
-        sum[which] += other[kSum * D + c];
-        mx[which] = fmaxf(mx[which], other[kMax * D + c]);
-        mn[which] = fminf(mn[which], other[kMin * D + c]);
-      }
-      const float km = p.smooth_k ? sum[0] / p.n_kv : 0.f;
-      const float vm = p.smooth_v ? sum[1] / p.n_kv : 0.f;
-      // Rounding is monotonic, so the extreme of |x - mean| is reached at the channel's max
-      // or min: the same value a pass over every token would find.
-      s_kamax[c] = fmaxf(mx[0] - km, km - mn[0]);
-      s_vamax[c] = fmaxf(mx[1] - vm, vm - mn[1]);
-      p.out.k_mean[head * D + c] = km;
-      p.out.v_mean[head * D + c] = vm;
-    }
-    __syncthreads();
-    if (threadIdx.x < D) {
-      const int c = threadIdx.x;
-      float vamax = s_vamax[c];
-      if (p.v_per_tensor)  // INT-FlashAttention: one scale over all channels
-        for (int i = 0; i < D; ++i) vamax = fmaxf(vamax, s_vamax[i]);
-      // fp16 V is not scaled: the kernel's epilogue multiplies by 1.
-      const bool v_fp16 = p.pv_path == sm90::PVPath::fp16;
-      p.out.v_scale[head * D + c] = v_fp16 ? 1.f : rules::symmetric_scale(vamax, p.v_max);
-      p.out.v_inv[head * D + c] = v_fp16 ? 1.f : rules::symmetric_inverse(vamax, p.v_max);
-      if (c == 0) {
-        float kamax = 0.f;
-        for (int i = 0; i < D; ++i) kamax = fmaxf(kamax, s_kamax[i]);
-        p.out.k_amax[head] = kamax;
-      }
-    }
+  if (rank != 0) {
+    // Resident until rank 0 has read cta_stats, not until it has written the finals.
+    sm90::cluster_arrive_release();
+    sm90::cluster_wait_acquire();
+    return;
   }
-  cluster.sync();  // the other CTAs' shared memory stays alive until rank 0 has read it
+  const int64_t head = (int64_t)b * p.heads_kv + h;
+  const int c = threadIdx.x;
+  float sum[2] = {0.f, 0.f}, mx[2] = {-FLT_MAX, -FLT_MAX}, mn[2] = {FLT_MAX, FLT_MAX};
+  if (c < D)
+#pragma unroll
+    for (int r = 0; r < kStatsCtas; ++r) {
+      const float* other = cluster.map_shared_rank(&cta_stats[0][0], r);
+      const int which = r / kStatsPerTensor;  // 0: K, 1: V
+      sum[which] += other[kSum * D + c];
+      mx[which] = fmaxf(mx[which], other[kMax * D + c]);
+      mn[which] = fminf(mn[which], other[kMin * D + c]);
+    }
+  sm90::cluster_arrive_release();  // done with the other CTAs' shared memory
+  __shared__ float s_warp_amax[2][D / 32];
+  float kamax = 0.f, vamax = 0.f;
+  if (c < D) {
+    const float km = p.smooth_k ? sum[0] / p.n_kv : 0.f;
+    const float vm = p.smooth_v ? sum[1] / p.n_kv : 0.f;
+    // Rounding is monotonic, so the extreme of |x - mean| is reached at the channel's max
+    // or min: the same value a pass over every token would find.
+    kamax = fmaxf(mx[0] - km, km - mn[0]);
+    vamax = fmaxf(mx[1] - vm, vm - mn[1]);
+    p.out.k_mean[head * D + c] = km;
+    p.out.v_mean[head * D + c] = vm;
+    // The largest over the channels (per-tensor scales) by a shuffle tree: max is exact in
+    // any order, and one thread looping over D shared values (until v20) kept the cluster
+    // waiting ~D dependent loads.
+    float mk = kamax, mv = vamax;
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) {
+      mk = fmaxf(mk, __shfl_xor_sync(0xffffffffu, mk, off));
+      mv = fmaxf(mv, __shfl_xor_sync(0xffffffffu, mv, off));
+    }
+    if (c % 32 == 0) s_warp_amax[0][c / 32] = mk, s_warp_amax[1][c / 32] = mv;
+  }
+  __syncthreads();
+  if (c < D) {
+    float all_k = s_warp_amax[0][0], all_v = s_warp_amax[1][0];
+#pragma unroll
+    for (int w = 1; w < D / 32; ++w)
+      all_k = fmaxf(all_k, s_warp_amax[0][w]), all_v = fmaxf(all_v, s_warp_amax[1][w]);
+    if (p.v_per_tensor) vamax = all_v;  // INT-FlashAttention: one scale over all channels
+    // fp16 V is not scaled: the kernel's epilogue multiplies by 1.
+    const bool v_fp16 = p.pv_path == sm90::PVPath::fp16;
+    p.out.v_scale[head * D + c] = v_fp16 ? 1.f : rules::symmetric_scale(vamax, p.v_max);
+    p.out.v_inv[head * D + c] = v_fp16 ? 1.f : rules::symmetric_inverse(vamax, p.v_max);
+    if (c == 0) p.out.k_amax[head] = all_k;
+  }
+  sm90::cluster_wait_acquire();
 }
 
 // Bytes per transposed V row in shared memory: a tile's tokens plus 4 bytes of padding per

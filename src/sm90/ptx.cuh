@@ -68,6 +68,17 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+// ---- split cluster barrier -------------------------------------------------------------------
+
+// The two halves of cluster.sync(), for a CTA that must stay resident until its cluster
+// peers have read its shared memory but has other work to do meanwhile.
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
 // ---- TMA -----------------------------------------------------------------------------------
 
 // Brings a global line into L2 without waiting for it or holding a register.
