@@ -13,6 +13,7 @@
 #include "sage/tile.h"
 #include "sm90/head_dims.h"
 #include "sm90/ptx.cuh"
+#include "sm90/tma_maps.h"
 
 namespace sage::quant {
 namespace {
@@ -130,6 +131,9 @@ __global__ void __cluster_dims__(kStatsCtas, 1, 1) __launch_bounds__(kThreads, 4
   const int h = blockIdx.y, b = blockIdx.z;
   const int lane_c = threadIdx.x % kLanesPerRow, r0 = threadIdx.x / kLanesPerRow;
 
+  // The quantize kernel may launch once every statistics CTA has started: its CTAs load
+  // their K/V rows on the SMs this grid's last wave leaves free, then wait for its finals.
+  sm90::launch_dependent_grids();
   const T* base = (is_v ? static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h
                         : static_cast<const T*>(p.k) + b * p.k_stride_b + h * p.k_stride_h) +
                   lane_c * 8;
@@ -278,6 +282,7 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
     raw[i] = t < p.n_kv ? *reinterpret_cast<const uint4*>(kb + (int64_t)t * p.k_stride_n)
                         : make_uint4(0, 0, 0, 0);
   }
+  sm90::grid_dependency_wait();  // the statistics kernel's finals (launched with PDL)
   if (threadIdx.x < D) s_kmean[threadIdx.x] = p.out.k_mean[head * D + threadIdx.x];
   __syncthreads();
   // The thread's eight channel means, as two 16-byte loads where they are used: read one float
@@ -292,6 +297,12 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
 
   // Each 16-bit value is converted twice (here for the amax, below for the codes) rather
   // than kept as floats: 32 fewer live registers per thread.
+  // s_row_amax: per token, each row's amax (a shuffle across the row's lanes for every row).
+  // Otherwise only the thread groups' maxima are needed, and a thread's rows r0 + i *
+  // kRowsPerIter all lie in thread group (r0 % 8) / 2: entry r0 holds the maximum over those
+  // rows, one shuffle round per thread instead of one per row (v20c).
+  const bool per_token = p.k_granularity == Granularity::per_token;
+  float thread_amax = 0.f;
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     const int r = r0 + i * kRowsPerIter;
@@ -303,14 +314,24 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
     if (tile * sm90::kBlockKV + r < p.n_kv)
 #pragma unroll
       for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(__fsub_rn(x[j], km[j])));
+    if (per_token) {
+#pragma unroll
+      for (int off = 1; off < kLanesPerRow; off *= 2)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      if (lane_c == 0) s_row_amax[r] = amax;
+    } else {
+      thread_amax = fmaxf(thread_amax, amax);
+    }
+  }
+  if (!per_token) {
 #pragma unroll
     for (int off = 1; off < kLanesPerRow; off *= 2)
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    if (lane_c == 0) s_row_amax[r] = amax;
+      thread_amax = fmaxf(thread_amax, __shfl_xor_sync(0xffffffffu, thread_amax, off));
+    if (lane_c == 0) s_row_amax[r0] = thread_amax;
   }
   __syncthreads();
   const float k_max = float(p.k_max);
-  if (p.k_granularity == Granularity::per_token) {
+  if (per_token) {
     if (threadIdx.x < sm90::kBlockKV) {
       const int r = threadIdx.x;
       s_kinv[r] = rules::symmetric_inverse(s_row_amax[r], k_max);
@@ -318,13 +339,13 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
           rules::symmetric_scale(s_row_amax[r], k_max);
     }
   } else if (threadIdx.x < 32) {
-    // One warp reduces the row maxima (max is exact in any order): lane l takes rows l, l + 32,
-    // l + 64, l + 96, which all lie in thread group (l % 8) / 2, as do lanes l ^ 1, l ^ 8 and
+    // One warp reduces the kRowsPerIter (16 or 32) entries (max is exact in any order): lane
+    // l takes entry l, whose rows lie in thread group (l % 8) / 2, as do lanes l ^ 1, l ^ 8 and
     // l ^ 16. (Until v11 four threads each scanned all 128 rows while the CTA waited.)
-    static_assert(sm90::kBlockKV == 128 && sm90::kKScalesPerTile == 4, "lane map");
+    static_assert(sm90::kBlockKV == 128 && sm90::kKScalesPerTile == 4 && kRowsPerIter <= 32 &&
+                      kRowsPerIter % 8 == 0, "lane map");
     const int lane = threadIdx.x;
-    float amax = 0.f;
-    for (int r = lane; r < sm90::kBlockKV; r += 32) amax = fmaxf(amax, s_row_amax[r]);
+    float amax = lane < kRowsPerIter ? s_row_amax[lane] : 0.f;
     for (int off : {1, 8, 16}) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
     const float tile_amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
     const int g = lane;  // lanes 0..3 write group g, whose maximum lane 2g holds
@@ -428,6 +449,7 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
                                                                unit_chunk(k) * 8)
                              : make_uint4(0, 0, 0, 0);
     }
+  sm90::grid_dependency_wait();  // the statistics kernel's finals (launched with PDL)
   if (threadIdx.x < D) {
     s_vmean[threadIdx.x] = p.out.v_mean[head * D + threadIdx.x];
     s_vinv[threadIdx.x] = p.out.v_inv[head * D + threadIdx.x];
@@ -549,9 +571,19 @@ void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream) {
   }
   const dim3 stats_grid(kStatsCtas, p.heads_kv, p.batch);  // one cluster per head
   kv_stats_kernel<D, T><<<stats_grid, kThreads, 0, stream>>>(p);
-  const dim3 quant_grid(2 * (p.n_pad / sm90::kBlockKV), p.heads_kv, p.batch);
-  const size_t vt_bytes = size_t(D) * sm90::v_bytes(p.pv_path) * kVtPitch8;  // < 48 KiB
-  kv_quantize_kernel<D, T><<<quant_grid, kThreads, vt_bytes, stream>>>(p);
+  // Programmatic dependent launch: see launch_dependent_grids in kv_stats_kernel.
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(2 * (p.n_pad / sm90::kBlockKV), p.heads_kv, p.batch);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = size_t(D) * sm90::v_bytes(p.pv_path) * kVtPitch8;  // < 48 KiB
+  cfg.stream = stream;
+  cudaLaunchAttribute pdl{};
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &pdl;
+  cfg.numAttrs = 1;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kv_quantize_kernel<D, T>, p);
+  if (err != cudaSuccess) sm90::throw_cuda("K/V quantize launch", err);
 }
 
 #define SAGE_INSTANTIATE_PREPASS(D)                                                        \

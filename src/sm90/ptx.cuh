@@ -79,6 +79,19 @@ __device__ __forceinline__ void cluster_wait_acquire() {
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
+// ---- programmatic dependent launch ----------------------------------------------------------
+
+// Lets the next kernel in the stream, launched with programmatic stream serialization, start
+// once every CTA of this grid has executed this (or exited).
+__device__ __forceinline__ void launch_dependent_grids() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+// Waits until the grids this one depends on have completed and their writes are visible;
+// returns at once in a kernel launched without programmatic serialization.
+__device__ __forceinline__ void grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
 // ---- TMA -----------------------------------------------------------------------------------
 
 // Brings a global line into L2 without waiting for it or holding a register.
