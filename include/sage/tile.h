@@ -30,28 +30,7 @@ struct TileConfig {
 // docs/performance.md), and at d = 64 the accumulators are small enough for a third warpgroup
 // (160 registers each over 512 threads; FlashAttention-3 runs 192-row tiles there too). At
 // d = 128, O, the PV product, S and P alone need ~210 registers.
-//
-// Experiment knobs (docs/performance.md): SAGE_CONSUMER_WARPGROUPS_D64 / _D128 set the count;
-// with one consumer warpgroup the kernel runs SAGE_SPLIT_CTAS_PER_SM CTAs per SM (below).
-#ifndef SAGE_CONSUMER_WARPGROUPS_D64
-#define SAGE_CONSUMER_WARPGROUPS_D64 3
-#endif
-#ifndef SAGE_CONSUMER_WARPGROUPS_D128
-#define SAGE_CONSUMER_WARPGROUPS_D128 2
-#endif
-#ifndef SAGE_SPLIT_CTAS_PER_SM
-#define SAGE_SPLIT_CTAS_PER_SM 2
-#endif
-constexpr SAGE_HD int consumer_warpgroups(int head_dim) {
-  return head_dim <= 64 ? SAGE_CONSUMER_WARPGROUPS_D64 : SAGE_CONSUMER_WARPGROUPS_D128;
-}
-
-// CTAs of the Hopper kernel resident per SM. Several consumer warpgroups share one CTA's K/V
-// ring and fill the SM's registers; a CTA of one consumer warpgroup leaves room for another
-// CTA, whose items start and end independently of the first's.
-constexpr SAGE_HD int ctas_per_sm(int head_dim) {
-  return consumer_warpgroups(head_dim) == 1 ? SAGE_SPLIT_CTAS_PER_SM : 1;
-}
+constexpr SAGE_HD int consumer_warpgroups(int head_dim) { return head_dim <= 64 ? 3 : 2; }
 
 // One function decides the tiles, for every head dim and recipe.
 constexpr SAGE_HD TileConfig tile_config(int head_dim) {

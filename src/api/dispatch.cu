@@ -250,7 +250,6 @@ void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVar
   ap.causal = args.causal, ap.smooth_k = r.smooth_k, ap.smooth_v = r.smooth_v;
   ap.smooth_q = r.smooth_q;
   ap.quantized_row_sum = r.row_sum == RowSum::quantized_p;
-  ap.ctas_per_sm = sm90::kCtasPerSm<D>;
   ap.items_per_cta = sm90::items_per_cta(ap);  // after every field it reads
   ap.grouped_order = sm90::use_grouped_order(ap, D, sm90::v_bytes(v.path));
   ap.kv = quantized_kv_at(ws, w);

@@ -78,10 +78,8 @@ template <int D>
 struct CtaShape {
   static constexpr int kConsumers = kConsumerWarpgroups<D>;
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  static constexpr int kCtasPerSm = sage::sm90::kCtasPerSm<D>;
-  static constexpr int kLaunchRegs = 65536 / (kThreads * kCtasPerSm) / 8 * 8;
-  // All that is left to the consumers: 240 at d = 128, 160 at d = 64 (232 for one consumer
-  // warpgroup in each of two CTAs per SM).
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  // All that is left to the consumers: 240 at d = 128, 160 at d = 64.
   static constexpr int kConsumerRegs =
       (kLaunchRegs * kThreads - kProducerRegs * 128) / (128 * kConsumers) / 8 * 8;
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= kLaunchRegs * kThreads,
@@ -143,7 +141,7 @@ __device__ __forceinline__ WorkItem work_item(const AttentionParams& p, int w) {
 // per-tile dS work; a compile-time choice because as a run-time branch it cost the recipes
 // without it ~5% at N = 16K (H100 A/B, 2026-11-22).
 template <int D, class T, PVPath Path, KScales KS, bool SmoothQ>
-__global__ void __launch_bounds__(CtaShape<D>::kThreads, CtaShape<D>::kCtasPerSm)
+__global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
     attention_kernel(const __grid_constant__ CUtensorMap tma_k,
                      const __grid_constant__ CUtensorMap tma_v, const AttentionParams p) {
   using PV = PVOperand<D, Path>;

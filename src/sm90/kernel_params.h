@@ -16,8 +16,6 @@ template <int D>
 constexpr int kBlockQ = tile_config(D).block_q;
 template <int D>
 constexpr int kConsumerWarpgroups = consumer_warpgroups(D);
-template <int D>
-constexpr int kCtasPerSm = ctas_per_sm(D);
 static_assert(tile_config(64).block_kv == kBlockKV && tile_config(128).block_kv == kBlockKV,
               "the pre-pass lays K/V out in kBlockKV tiles: tile.h must agree");
 // The named barriers of the attention kernel's consumer warpgroups (barrier 0 is
@@ -94,8 +92,6 @@ struct AttentionParams {
   // Work items (Q tiles of a (batch, head), attention_kernel.cuh's work_item order) that one
   // CTA runs one after the other; set by the dispatch from items_per_cta (schedule.h).
   int items_per_cta;
-  // CTAs of this launch's kernel resident per SM (tile.h's ctas_per_sm), for the schedule.
-  int ctas_per_sm;
   // Which CTA runs which items (work_order.h): the grouped order, or the consecutive one.
   // Set by the dispatch from use_grouped_order (schedule.h).
   bool grouped_order;

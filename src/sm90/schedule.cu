@@ -79,8 +79,7 @@ int items_per_cta(const AttentionParams& p) {
   const int kv_tiles = (p.n_kv + kBlockKV - 1) / kBlockKV;
   const int per_item = std::max(1, p.causal ? (kv_tiles + 1) / 2 : kv_tiles);
   const int64_t by_tiles = std::max(1, target / per_item);
-  const int64_t by_waves =
-      std::max<int64_t>(1, items / (int64_t(kMinWaves) * sm_count() * p.ctas_per_sm));
+  const int64_t by_waves = std::max<int64_t>(1, items / (int64_t(kMinWaves) * sm_count()));
   return int(std::min(by_tiles, by_waves));
 }
 
@@ -99,7 +98,7 @@ bool use_grouped_order(const AttentionParams& p, int head_dim, int v_bytes) {
     case WorkOrderOverride::automatic: break;
   }
   if (p.causal) return false;
-  const int64_t resident_ctas = int64_t(sm_count()) * p.ctas_per_sm;
+  const int64_t resident_ctas = sm_count();
   const int64_t heads_in_flight = std::min<int64_t>(
       resident_ctas, std::max<int64_t>(1, resident_ctas * p.items_per_cta / p.n_q_tiles));
   const int64_t head_kv_bytes = int64_t(p.n_pad) * head_dim * (1 + v_bytes);  // INT8 K, V
