@@ -239,29 +239,35 @@ __device__ __forceinline__ uint32_t encode_v_pair(float lo, float hi) {
   }
 }
 
-// Writes the transposed tile (D rows of kBlockKV * v_bytes bytes, `pitch` apart in shared
-// memory) to its place in the workspace's [B, Hkv, D, n_pad] V.
-template <int D>
+// Writes the transposed tile (D rows of kBlockKV * VBytes bytes, VBytes * kVtPitch8 apart in
+// shared memory) to its place in the workspace's [B, Hkv, D, n_pad] V. The element size is a
+// template parameter: as a run-time value, each 32-bit word's row and column took an integer
+// division and a remainder, ~8% of the quantize kernel's instructions (ncu, H200, v21b).
+template <int D, int VBytes>
 __device__ __forceinline__ void store_vt_tile(const sm90::KVQuantParams& p, int b, int h, int tile,
-                                              const uint8_t* s_vt, int pitch, int v_bytes) {
-  const int64_t row_bytes = int64_t(p.n_pad) * v_bytes;
+                                              const uint8_t* s_vt) {
+  constexpr int kWordsPerRow = sm90::kBlockKV * VBytes / 4, kPitch = VBytes * kVtPitch8;
+  static_assert(D * kWordsPerRow % kThreads == 0, "whole rounds of words");
+  const int64_t row_bytes = int64_t(p.n_pad) * VBytes;
   uint8_t* vt = p.out.vt + ((int64_t)b * p.heads_kv + h) * D * row_bytes +
-                int64_t(tile) * sm90::kBlockKV * v_bytes;
-  const int words_per_row = sm90::kBlockKV * v_bytes / 4;
-  for (int w = threadIdx.x; w < D * words_per_row; w += kThreads) {
-    const int c = w / words_per_row, x = w % words_per_row;
-    *reinterpret_cast<uint32_t*>(vt + c * row_bytes + 4 * x) =
-        *reinterpret_cast<const uint32_t*>(&s_vt[c * pitch + 4 * x]);
+                int64_t(tile) * sm90::kBlockKV * VBytes + 4 * (threadIdx.x % kWordsPerRow);
+  const uint8_t* src = s_vt + 4 * (threadIdx.x % kWordsPerRow);
+#pragma unroll 4
+  for (int round = 0; round < D * kWordsPerRow / kThreads; ++round) {
+    const int c = (threadIdx.x + round * kThreads) / kWordsPerRow;
+    *reinterpret_cast<uint32_t*>(vt + c * row_bytes) =
+        *reinterpret_cast<const uint32_t*>(src + c * kPitch);
   }
 }
-
 
 // ---- pass 2: quantize ----------------------------------------------------------------------
 // Two CTAs per 128-token tile, one for K and one for V (blockIdx.x = 2 * tile + is_v). Each
 // holds only its own tensor's rows in registers, all loads issued first: 64 registers per
 // thread at d = 128 where one CTA for both took 126, so three CTAs per SM instead of two (that
 // v8 kernel ran at 39% of DRAM bandwidth, ncu, H100, d = 128, N = 1K).
-template <int D, class T>
+// kFull: all kBlockKV tokens of the tile lie below n_kv (every tile but a partial last one),
+// which drops the per-element padding tests.
+template <int D, class T, bool kFull>
 __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, int tile, int h,
                                                 int b) {
   constexpr int kLanesPerRow = D / 8;
@@ -279,8 +285,8 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
   for (int i = 0; i < kRows; ++i) {
     const int t = tile * sm90::kBlockKV + r0 + i * kRowsPerIter;
     // Zeros past n_kv: padding never counts toward a scale.
-    raw[i] = t < p.n_kv ? *reinterpret_cast<const uint4*>(kb + (int64_t)t * p.k_stride_n)
-                        : make_uint4(0, 0, 0, 0);
+    raw[i] = kFull || t < p.n_kv ? *reinterpret_cast<const uint4*>(kb + (int64_t)t * p.k_stride_n)
+                                 : make_uint4(0, 0, 0, 0);
   }
   sm90::grid_dependency_wait();  // the statistics kernel's finals (launched with PDL)
   if (threadIdx.x < D) s_kmean[threadIdx.x] = p.out.k_mean[head * D + threadIdx.x];
@@ -311,7 +317,7 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
     float km[8];
     kmean8(km);
     float amax = 0.f;
-    if (tile * sm90::kBlockKV + r < p.n_kv)
+    if (kFull || tile * sm90::kBlockKV + r < p.n_kv)
 #pragma unroll
       for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(__fsub_rn(x[j], km[j])));
     if (per_token) {
@@ -381,7 +387,7 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
     const float inv = s_kinv[p.k_granularity == Granularity::per_token    ? r
                              : p.k_granularity == Granularity::per_thread ? (r % 8) / 2
                                                                           : 0];
-    const bool valid = tile * sm90::kBlockKV + r < p.n_kv;
+    const bool valid = kFull || tile * sm90::kBlockKV + r < p.n_kv;
     float x[8], km[8];
     gpu::unpack8<T>(raw[i], x);
     kmean8(km);
@@ -398,6 +404,21 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
   }
 }
 
+// The first token of stored quad `quad` (positions 4 quad .. 4 quad + 3) of an 8-bit V tile;
+// its four tokens are this plus 0, 1, 8, 9.
+__host__ __device__ constexpr int quad_token_base(int quad) {
+  return 32 * (quad / 8) + 16 * ((quad / 4) % 2) + 2 * (quad % 4);
+}
+constexpr bool quad_tokens_match() {
+  for (int pos = 0; pos < sm90::kBlockKV; ++pos) {
+    const int i = pos % 4;
+    if (quad_token_base(pos / 4) + (i < 2 ? i : 6 + i) != 32 * (pos / 32) + pv_token_at_position(pos % 32))
+      return false;
+  }
+  return true;
+}
+static_assert(quad_tokens_match(), "quad_token_base agrees with pv_token_at_position");
+
 // V: smooth, scale, encode (E4M3, INT8 or fp16), transpose through s_vt (D rows of `pitch`
 // bytes). 8-bit V takes the P-layout token permutation; fp16 V stays in token order
 // (pv_operand.cuh).
@@ -410,7 +431,7 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
 // load reads whole 128-byte rows: half rows measured 11% slower there (H100, 2026-11-23).
 // (Until v11 each thread stored single bytes of one token's channels: 4x the shared-memory
 // stores, 4-way bank conflicts.)
-template <int D, class T, VFormat F>
+template <int D, class T, VFormat F, bool kFull>
 __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, int tile, int h,
                                                 int b, uint8_t* s_vt) {
   constexpr int kChunks = D / 8;                 // 8-channel pieces of a token's row
@@ -431,10 +452,12 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
     const int u = threadIdx.x + k * kThreads, w = u / 32, lane = u % 32;
     return (w / (kQuads / kQuadsPerWarp)) * kChunksPerWarp + lane / kQuadsPerWarp;
   };
-  // The tile token stored at position 4 * quad + i.
+  // The tile token stored at position 4 * quad + i. 8-bit V: positions 4t .. 4t + 3 of a
+  // 16-token half slice hold tokens 2t, 2t + 1, 2t + 8, 2t + 9 (pv_token_at_position), so a
+  // quad's tokens are one base plus constants once i is unrolled (checked below).
   auto token_at = [&](int quad, int i) {
-    const int pos = 4 * quad + i;
-    return v_fp16 ? pos : 32 * (pos / 32) + pv_token_at_position(pos % 32);
+    if constexpr (v_fp16) return 4 * quad + i;
+    return quad_token_base(quad) + (i < 2 ? i : 6 + i);
   };
 
   const T* vb = static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h;
@@ -445,9 +468,9 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
     for (int i = 0; i < 4; ++i) {
       const int t = tile * sm90::kBlockKV + token_at(unit_quad(k), i);
       // Zeros past n_kv: padding never counts toward a scale.
-      raw[k][i] = t < p.n_kv ? *reinterpret_cast<const uint4*>(vb + (int64_t)t * p.v_stride_n +
-                                                               unit_chunk(k) * 8)
-                             : make_uint4(0, 0, 0, 0);
+      raw[k][i] = kFull || t < p.n_kv ? *reinterpret_cast<const uint4*>(
+                                            vb + (int64_t)t * p.v_stride_n + unit_chunk(k) * 8)
+                                      : make_uint4(0, 0, 0, 0);
     }
   sm90::grid_dependency_wait();  // the statistics kernel's finals (launched with PDL)
   if (threadIdx.x < D) {
@@ -456,14 +479,13 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
   }
   __syncthreads();
 
-  const int v_bytes = v_fp16 ? 2 : 1;
-  const int pitch = v_bytes * kVtPitch8;
+  constexpr int pitch = (v_fp16 ? 2 : 1) * kVtPitch8;
 #pragma unroll
   for (int k = 0; k < kUnits; ++k) {
     const int quad = unit_quad(k), c0 = unit_chunk(k) * 8;
     bool valid[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) valid[i] = tile * sm90::kBlockKV + token_at(quad, i) < p.n_kv;
+    for (int i = 0; i < 4; ++i) valid[i] = kFull || tile * sm90::kBlockKV + token_at(quad, i) < p.n_kv;
     // One 32-bit word (two channels) of the four tokens at a time: 8 floats live, not 32 (with
     // all 32 the fp16 d = 128 kernel took 80 registers, three CTAs per SM instead of four).
 #pragma unroll
@@ -494,24 +516,27 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
     }
   }
   __syncthreads();
-  store_vt_tile<D>(p, b, h, tile, s_vt, pitch, v_bytes);
+  store_vt_tile<D, v_fp16 ? 2 : 1>(p, b, h, tile, s_vt);
 }
 
-template <int D, class T>
+// kFull: n_kv is a multiple of kBlockKV (chosen per launch: as a branch per CTA between the
+// two instantiations, ptxas took the bf16 d = 128 kernel from 80 to 124 registers).
+template <int D, class T, bool kFull>
 __global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQuantParams p) {
   // The transposed V tile: dynamic, sized by the launch for the path's element size, so that
   // 8-bit V does not pay fp16's shared memory in occupancy.
   extern __shared__ __align__(16) uint8_t s_vt[];
   const int tile = blockIdx.x / 2, h = blockIdx.y, b = blockIdx.z;
   if (blockIdx.x % 2 == 0)
-    quantize_k_tile<D, T>(p, tile, h, b);
+    quantize_k_tile<D, T, kFull>(p, tile, h, b);
   else if (p.pv_path == sm90::PVPath::fp16)
-    quantize_v_tile<D, T, VFormat::fp16>(p, tile, h, b, s_vt);
+    quantize_v_tile<D, T, VFormat::fp16, kFull>(p, tile, h, b, s_vt);
   else if (p.pv_path == sm90::PVPath::int8)
-    quantize_v_tile<D, T, VFormat::int8>(p, tile, h, b, s_vt);
+    quantize_v_tile<D, T, VFormat::int8, kFull>(p, tile, h, b, s_vt);
   else
-    quantize_v_tile<D, T, VFormat::e4m3>(p, tile, h, b, s_vt);
+    quantize_v_tile<D, T, VFormat::e4m3, kFull>(p, tile, h, b, s_vt);
 }
+
 
 // Pass for prequantized INT8 inputs (INT-FlashAttention): nothing to measure or quantize, so
 // one launch copies K with its per-token scales into the workspace layout, transposes V with
@@ -557,7 +582,7 @@ __global__ void __launch_bounds__(kThreads) kv_copy_prequantized_kernel(const sm
       s_vt[(lane_c * 8 + j) * kVtPitch8 + pos] = uint8_t(((j < 4 ? vw.x : vw.y) >> (8 * (j % 4))) & 0xFF);
   }
   __syncthreads();
-  store_vt_tile<D>(p, b, h, tile, s_vt, kVtPitch8, 1);
+  store_vt_tile<D, 1>(p, b, h, tile, s_vt);
 }
 
 }  // namespace
@@ -582,7 +607,9 @@ void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream) {
   pdl.val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = &pdl;
   cfg.numAttrs = 1;
-  const cudaError_t err = cudaLaunchKernelEx(&cfg, kv_quantize_kernel<D, T>, p);
+  const bool full_tiles = p.n_kv % sm90::kBlockKV == 0;
+  const cudaError_t err = full_tiles ? cudaLaunchKernelEx(&cfg, kv_quantize_kernel<D, T, true>, p)
+                                     : cudaLaunchKernelEx(&cfg, kv_quantize_kernel<D, T, false>, p);
   if (err != cudaSuccess) sm90::throw_cuda("K/V quantize launch", err);
 }
 
