@@ -59,6 +59,13 @@ struct ChannelStats {
       const float2 f = gpu::word_to_float2<T>(w[j]);
       sum[2 * j] += f.x;
       sum[2 * j + 1] += f.y;
+    }
+    add_extremes(raw);
+  }
+  __device__ __forceinline__ void add_extremes(const uint4& raw) {
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
       max2[j] = __hmax2(max2[j], as_pair(w[j]));
       min2[j] = __hmin2(min2[j], as_pair(w[j]));
     }
@@ -301,35 +308,48 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
     km[7] = c.w;
   };
 
-  // Each 16-bit value is converted twice (here for the amax, below for the codes) rather
-  // than kept as floats: 32 fewer live registers per thread.
   // s_row_amax: per token, each row's amax (a shuffle across the row's lanes for every row).
   // Otherwise only the thread groups' maxima are needed, and a thread's rows r0 + i *
   // kRowsPerIter all lie in thread group (r0 % 8) / 2: entry r0 holds the maximum over those
   // rows, one shuffle round per thread instead of one per row (v20c).
   const bool per_token = p.k_granularity == Granularity::per_token;
-  float thread_amax = 0.f;
+  if (per_token) {
+    // Each 16-bit value is converted twice (here for the amax, below for the codes) rather
+    // than kept as floats: 32 fewer live registers per thread.
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    const int r = r0 + i * kRowsPerIter;
-    float x[8];
-    gpu::unpack8<T>(raw[i], x);
-    float km[8];
-    kmean8(km);
-    float amax = 0.f;
-    if (kFull || tile * sm90::kBlockKV + r < p.n_kv)
+    for (int i = 0; i < kRows; ++i) {
+      const int r = r0 + i * kRowsPerIter;
+      float x[8];
+      gpu::unpack8<T>(raw[i], x);
+      float km[8];
+      kmean8(km);
+      float amax = 0.f;
+      if (kFull || tile * sm90::kBlockKV + r < p.n_kv)
 #pragma unroll
-      for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(__fsub_rn(x[j], km[j])));
-    if (per_token) {
+        for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(__fsub_rn(x[j], km[j])));
 #pragma unroll
       for (int off = 1; off < kLanesPerRow; off *= 2)
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
       if (lane_c == 0) s_row_amax[r] = amax;
-    } else {
-      thread_amax = fmaxf(thread_amax, amax);
     }
-  }
-  if (!per_token) {
+  } else {
+    // The thread's largest |K - mean| from its channels' extremes over its rows, as the
+    // statistics kernel finds the per-tensor one: rounding is monotonic and fl(a - b) =
+    // -fl(b - a), so max_r |fl(x_r - m)| = max(fl(max_r x_r - m), fl(m - min_r x_r)), the same
+    // value. The extremes are packed comparisons in the input type (exact): per thread 16 of
+    // them, 16 conversions and subtractions, where each of 64 values took a conversion, a
+    // subtraction and a maximum (v21b).
+    ChannelStats<T> ext;
+    ext.init();
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+      if (kFull || tile * sm90::kBlockKV + r0 + i * kRowsPerIter < p.n_kv) ext.add_extremes(raw[i]);
+    float km[8];
+    kmean8(km);
+    float thread_amax = 0.f;  // also where the thread has no row below n_kv
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      thread_amax = fmaxf(thread_amax, fmaxf(__fsub_rn(ext.max(j), km[j]), __fsub_rn(km[j], ext.min(j))));
 #pragma unroll
     for (int off = 1; off < kLanesPerRow; off *= 2)
       thread_amax = fmaxf(thread_amax, __shfl_xor_sync(0xffffffffu, thread_amax, off));
@@ -522,7 +542,7 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
 // kFull: n_kv is a multiple of kBlockKV (chosen per launch: as a branch per CTA between the
 // two instantiations, ptxas took the bf16 d = 128 kernel from 80 to 124 registers).
 template <int D, class T, bool kFull>
-__global__ void __launch_bounds__(kThreads) kv_quantize_kernel(const sm90::KVQuantParams p) {
+__global__ void __launch_bounds__(kThreads, D == 64 ? 6 : 4) kv_quantize_kernel(const sm90::KVQuantParams p) {
   // The transposed V tile: dynamic, sized by the launch for the path's element size, so that
   // 8-bit V does not pay fp16's shared memory in occupancy.
   extern __shared__ __align__(16) uint8_t s_vt[];
