@@ -272,8 +272,8 @@ __device__ __forceinline__ void store_vt_tile(const sm90::KVQuantParams& p, int 
 // holds only its own tensor's rows in registers, all loads issued first: 64 registers per
 // thread at d = 128 where one CTA for both took 126, so three CTAs per SM instead of two (that
 // v8 kernel ran at 39% of DRAM bandwidth, ncu, H100, d = 128, N = 1K).
-// kFull: all kBlockKV tokens of the tile lie below n_kv (every tile but a partial last one),
-// which drops the per-element padding tests.
+// kFull: n_kv is a multiple of kBlockKV, so no token of the tile is padding and the
+// per-element padding tests go (kv_quantize_kernel).
 template <int D, class T, bool kFull>
 __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, int tile, int h,
                                                 int b) {
@@ -292,8 +292,9 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
   for (int i = 0; i < kRows; ++i) {
     const int t = tile * sm90::kBlockKV + r0 + i * kRowsPerIter;
     // Zeros past n_kv: padding never counts toward a scale.
-    raw[i] = kFull || t < p.n_kv ? *reinterpret_cast<const uint4*>(kb + (int64_t)t * p.k_stride_n)
-                                 : make_uint4(0, 0, 0, 0);
+    raw[i] = kFull || t < p.n_kv
+                 ? *reinterpret_cast<const uint4*>(kb + (int64_t)t * p.k_stride_n)
+                 : make_uint4(0, 0, 0, 0);
   }
   sm90::grid_dependency_wait();  // the statistics kernel's finals (launched with PDL)
   if (threadIdx.x < D) s_kmean[threadIdx.x] = p.out.k_mean[head * D + threadIdx.x];
@@ -338,18 +339,20 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
     // -fl(b - a), so max_r |fl(x_r - m)| = max(fl(max_r x_r - m), fl(m - min_r x_r)), the same
     // value. The extremes are packed comparisons in the input type (exact): per thread 16 of
     // them, 16 conversions and subtractions, where each of 64 values took a conversion, a
-    // subtraction and a maximum (v21b).
+    // subtraction and a maximum (v21c).
     ChannelStats<T> ext;
     ext.init();
 #pragma unroll
     for (int i = 0; i < kRows; ++i)
-      if (kFull || tile * sm90::kBlockKV + r0 + i * kRowsPerIter < p.n_kv) ext.add_extremes(raw[i]);
+      if (kFull || tile * sm90::kBlockKV + r0 + i * kRowsPerIter < p.n_kv)
+        ext.add_extremes(raw[i]);
     float km[8];
     kmean8(km);
     float thread_amax = 0.f;  // also where the thread has no row below n_kv
 #pragma unroll
     for (int j = 0; j < 8; ++j)
-      thread_amax = fmaxf(thread_amax, fmaxf(__fsub_rn(ext.max(j), km[j]), __fsub_rn(km[j], ext.min(j))));
+      thread_amax = fmaxf(thread_amax, fmaxf(__fsub_rn(ext.max(j), km[j]),
+                                             __fsub_rn(km[j], ext.min(j))));
 #pragma unroll
     for (int off = 1; off < kLanesPerRow; off *= 2)
       thread_amax = fmaxf(thread_amax, __shfl_xor_sync(0xffffffffu, thread_amax, off));
@@ -432,8 +435,8 @@ __host__ __device__ constexpr int quad_token_base(int quad) {
 constexpr bool quad_tokens_match() {
   for (int pos = 0; pos < sm90::kBlockKV; ++pos) {
     const int i = pos % 4;
-    if (quad_token_base(pos / 4) + (i < 2 ? i : 6 + i) != 32 * (pos / 32) + pv_token_at_position(pos % 32))
-      return false;
+    const int token = 32 * (pos / 32) + pv_token_at_position(pos % 32);
+    if (quad_token_base(pos / 4) + (i < 2 ? i : 6 + i) != token) return false;
   }
   return true;
 }
@@ -505,7 +508,8 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
     const int quad = unit_quad(k), c0 = unit_chunk(k) * 8;
     bool valid[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) valid[i] = kFull || tile * sm90::kBlockKV + token_at(quad, i) < p.n_kv;
+    for (int i = 0; i < 4; ++i)
+      valid[i] = kFull || tile * sm90::kBlockKV + token_at(quad, i) < p.n_kv;
     // One 32-bit word (two channels) of the four tokens at a time: 8 floats live, not 32 (with
     // all 32 the fp16 d = 128 kernel took 80 registers, three CTAs per SM instead of four).
 #pragma unroll
@@ -540,9 +544,11 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
 }
 
 // kFull: n_kv is a multiple of kBlockKV (chosen per launch: as a branch per CTA between the
-// two instantiations, ptxas took the bf16 d = 128 kernel from 80 to 124 registers).
+// two instantiations, ptxas took the bf16 d = 128 kernel from 80 to 124 registers). Occupancy:
+// six CTAs per SM at d = 64 (40 registers, no spills), four at d = 128 (64; it needs ~60).
 template <int D, class T, bool kFull>
-__global__ void __launch_bounds__(kThreads, D == 64 ? 6 : 4) kv_quantize_kernel(const sm90::KVQuantParams p) {
+__global__ void __launch_bounds__(kThreads, D == 64 ? 6 : 4)
+    kv_quantize_kernel(const sm90::KVQuantParams p) {
   // The transposed V tile: dynamic, sized by the launch for the path's element size, so that
   // 8-bit V does not pay fp16's shared memory in occupancy.
   extern __shared__ __align__(16) uint8_t s_vt[];
@@ -556,7 +562,6 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 6 : 4) kv_quantize_kernel(
   else
     quantize_v_tile<D, T, VFormat::e4m3, kFull>(p, tile, h, b, s_vt);
 }
-
 
 // Pass for prequantized INT8 inputs (INT-FlashAttention): nothing to measure or quantize, so
 // one launch copies K with its per-token scales into the workspace layout, transposes V with
