@@ -4,12 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <algorithm>
 #include <cfloat>
-#include <map>
-#include <mutex>
-#include <string>
-#include <tuple>
 #include <type_traits>
 
 #include "common/vec_io.cuh"
@@ -87,69 +82,46 @@ struct ChannelStats {
   }
 };
 
-// A CTA's statistics are combined in a fixed order, so that repeated calls are bit-identical,
-// in two steps. First the lanes of a warp that hold the same channels combine by shuffles
-// (xor offsets first_off, 2 first_off, .. below 32 / last_off) and one lane per channel group
-// writes the warp's partials to slot `slot` of `red`; then (sum_partials) thread c < D takes
-// the slots in order. One round of shared memory for the three statistics, where until v20 a
-// round per statistic over every thread row put ~50 dependent shared loads on each CTA's path.
+// The CTA's per-thread statistics combined in a fixed order, so that repeated calls are
+// bit-identical: cta_stats[s][c] for s in StatsRow. The lanes of a warp that hold the same
+// channels combine by shuffles first, then thread c < D takes the warps' rows from `red`: one
+// round of shared memory for the three statistics, where until v20 a round per statistic over
+// every thread row put ~50 dependent shared loads on each CTA's path. Every thread calls it.
 constexpr int kWarps = kThreads / 32;
-constexpr int kPartialSlots = kWarps;  // the most slots a tensor's partials take
 template <int D, class T>
-__device__ __forceinline__ void publish_partials(const ChannelStats<T>& st, int first_off,
-                                                 int end_off, bool writer, int slot, int c0,
-                                                 float (*red)[kPartialSlots][D]) {
+__device__ __forceinline__ void combine_cta_stats(const ChannelStats<T>& st, int lane_c,
+                                                  float (*red)[kWarps][D], float (*cta_stats)[D]) {
+  constexpr int kLanesPerRow = D / 8;
   float v[kStatsRows][8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) v[kSum][i] = st.sum[i], v[kMax][i] = st.max(i), v[kMin][i] = st.min(i);
 #pragma unroll
-  for (int off = first_off; off < end_off; off *= 2)
+  for (int off = kLanesPerRow; off < 32; off *= 2)
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       v[kSum][i] += __shfl_xor_sync(0xffffffffu, v[kSum][i], off);
       v[kMax][i] = fmaxf(v[kMax][i], __shfl_xor_sync(0xffffffffu, v[kMax][i], off));
       v[kMin][i] = fminf(v[kMin][i], __shfl_xor_sync(0xffffffffu, v[kMin][i], off));
     }
-  if (writer)
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 < kLanesPerRow)
 #pragma unroll
     for (int s = 0; s < kStatsRows; ++s)
 #pragma unroll
-      for (int i = 0; i < 8; ++i) red[s][slot][c0 + i] = v[s][i];
-}
-// Channel c's statistics over the first kSlots slots of `red`, in slot order.
-template <int D, int kSlots>
-__device__ __forceinline__ void sum_partials(const float (*red)[kPartialSlots][D], int c,
-                                             float* out /* [kStatsRows][D] */) {
-  float sum = red[kSum][0][c], mx = red[kMax][0][c], mn = red[kMin][0][c];
+      for (int i = 0; i < 8; ++i) red[s][warp][lane_c * 8 + i] = v[s][i];
+  __syncthreads();
+  if (threadIdx.x < D) {
+    const int c = threadIdx.x;
+    float sum = red[kSum][0][c], mx = red[kMax][0][c], mn = red[kMin][0][c];
 #pragma unroll
-  for (int w = 1; w < kSlots; ++w) {
-    sum += red[kSum][w][c];
-    mx = fmaxf(mx, red[kMax][w][c]);
-    mn = fminf(mn, red[kMin][w][c]);
+    for (int w = 1; w < kWarps; ++w) {
+      sum += red[kSum][w][c];
+      mx = fmaxf(mx, red[kMax][w][c]);
+      mn = fminf(mn, red[kMin][w][c]);
+    }
+    cta_stats[kSum][c] = sum, cta_stats[kMax][c] = mx, cta_stats[kMin][c] = mn;
   }
-  out[kSum * D + c] = sum, out[kMax * D + c] = mx, out[kMin * D + c] = mn;
-}
-
-// The statistics kernel's threads hold rows (lane_c: the channel group), so the lanes of a
-// warp with the same channels are kLanesPerRow apart. Every thread calls it.
-template <int D, class T>
-__device__ __forceinline__ void combine_cta_stats(const ChannelStats<T>& st, int lane_c,
-                                                  float (*red)[kPartialSlots][D], float (*cta_stats)[D]) {
-  constexpr int kLanesPerRow = D / 8;
-  publish_partials<D, T>(st, kLanesPerRow, 32, threadIdx.x % 32 < kLanesPerRow, threadIdx.x / 32,
-                         lane_c * 8, red);
   __syncthreads();
-  if (threadIdx.x < D) sum_partials<D, kWarps>(red, threadIdx.x, &cta_stats[0][0]);
-  __syncthreads();
-}
-
-// V's channel scale and its inverse from the channel's largest |V - mean|: fp16 V is not
-// scaled (the kernel's epilogue multiplies by 1).
-__device__ __forceinline__ float v_scale_of(const sm90::KVQuantParams& p, float vamax) {
-  return p.pv_path == sm90::PVPath::fp16 ? 1.f : rules::symmetric_scale(vamax, p.v_max);
-}
-__device__ __forceinline__ float v_inverse_of(const sm90::KVQuantParams& p, float vamax) {
-  return p.pv_path == sm90::PVPath::fp16 ? 1.f : rules::symmetric_inverse(vamax, p.v_max);
 }
 
 // Four CTAs per SM: at d = 128, N = 16K the grid (8 CTAs for each of 64 heads) is one wave.
@@ -188,7 +160,7 @@ __global__ void __cluster_dims__(kStatsCtas, 1, 1) __launch_bounds__(kThreads, 4
   }
   for (; t < p.n_kv; t += kStep) st.add(*reinterpret_cast<const uint4*>(base + int64_t(t) * stride_n));
 
-  __shared__ float red[kStatsRows][kPartialSlots][D];
+  __shared__ float red[kStatsRows][kWarps][D];
   __shared__ float cta_stats[kStatsRows][D];
   combine_cta_stats<D, T>(st, lane_c, red, cta_stats);
   cluster.sync();  // every CTA's cta_stats is written
@@ -240,8 +212,10 @@ __global__ void __cluster_dims__(kStatsCtas, 1, 1) __launch_bounds__(kThreads, 4
     for (int w = 1; w < D / 32; ++w)
       all_k = fmaxf(all_k, s_warp_amax[0][w]), all_v = fmaxf(all_v, s_warp_amax[1][w]);
     if (p.v_per_tensor) vamax = all_v;  // INT-FlashAttention: one scale over all channels
-    p.out.v_scale[head * D + c] = v_scale_of(p, vamax);
-    p.out.v_inv[head * D + c] = v_inverse_of(p, vamax);
+    // fp16 V is not scaled: the kernel's epilogue multiplies by 1.
+    const bool v_fp16 = p.pv_path == sm90::PVPath::fp16;
+    p.out.v_scale[head * D + c] = v_fp16 ? 1.f : rules::symmetric_scale(vamax, p.v_max);
+    p.out.v_inv[head * D + c] = v_fp16 ? 1.f : rules::symmetric_inverse(vamax, p.v_max);
     if (c == 0) p.out.k_amax[head] = all_k;
   }
   sm90::cluster_wait_acquire();
@@ -272,41 +246,22 @@ __device__ __forceinline__ uint32_t encode_v_pair(float lo, float hi) {
   }
 }
 
-// The threads that work on one tensor's tile: the whole CTA (kv_quantize_kernel), or one half
-// of it (kv_fused_kernel: K in the first, V in the second), with the barrier that synchronizes
-// just them. `barrier` is a constant at every call site once inlined.
-struct TileThreads {
-  int tid;      // 0 .. kThreads - 1
-  int barrier;  // 0: the whole CTA (__syncthreads); otherwise a named barrier of kThreads
-  __device__ __forceinline__ void sync() const {
-    if (barrier == 0)
-      __syncthreads();
-    else
-      sm90::named_barrier_sync(barrier, kThreads);
-  }
-};
-
-// A tensor's tile in one thread's registers: 128 x D 16-bit values over kThreads threads are
-// D / 16 16-byte pieces each, for K (rows) and for V (quads of four tokens) alike.
-template <int D>
-using TileRegs = uint4[D / 16];
-
 // Writes the transposed tile (D rows of kBlockKV * VBytes bytes, VBytes * kVtPitch8 apart in
 // shared memory) to its place in the workspace's [B, Hkv, D, n_pad] V. The element size is a
 // template parameter: as a run-time value, each 32-bit word's row and column took an integer
 // division and a remainder, ~8% of the quantize kernel's instructions (ncu, H200, v21b).
 template <int D, int VBytes>
 __device__ __forceinline__ void store_vt_tile(const sm90::KVQuantParams& p, int b, int h, int tile,
-                                              int tid, const uint8_t* s_vt) {
+                                              const uint8_t* s_vt) {
   constexpr int kWordsPerRow = sm90::kBlockKV * VBytes / 4, kPitch = VBytes * kVtPitch8;
   static_assert(D * kWordsPerRow % kThreads == 0, "whole rounds of words");
   const int64_t row_bytes = int64_t(p.n_pad) * VBytes;
   uint8_t* vt = p.out.vt + ((int64_t)b * p.heads_kv + h) * D * row_bytes +
-                int64_t(tile) * sm90::kBlockKV * VBytes + 4 * (tid % kWordsPerRow);
-  const uint8_t* src = s_vt + 4 * (tid % kWordsPerRow);
+                int64_t(tile) * sm90::kBlockKV * VBytes + 4 * (threadIdx.x % kWordsPerRow);
+  const uint8_t* src = s_vt + 4 * (threadIdx.x % kWordsPerRow);
 #pragma unroll 4
   for (int round = 0; round < D * kWordsPerRow / kThreads; ++round) {
-    const int c = (tid + round * kThreads) / kWordsPerRow;
+    const int c = (threadIdx.x + round * kThreads) / kWordsPerRow;
     *reinterpret_cast<uint32_t*>(vt + c * row_bytes) =
         *reinterpret_cast<const uint32_t*>(src + c * kPitch);
   }
@@ -319,44 +274,31 @@ __device__ __forceinline__ void store_vt_tile(const sm90::KVQuantParams& p, int 
 // v8 kernel ran at 39% of DRAM bandwidth, ncu, H100, d = 128, N = 1K).
 // kFull: n_kv is a multiple of kBlockKV, so no token of the tile is padding and the
 // per-element padding tests go (kv_quantize_kernel).
-//
-// K: thread tid holds rows r0 + i * kRowsPerIter, channels lane_c * 8 .. + 7.
-template <int D>
-struct KRowMap {
-  static constexpr int kLanesPerRow = D / 8;
-  static constexpr int kRowsPerIter = kThreads / kLanesPerRow;
-  static constexpr int kRows = sm90::kBlockKV / kRowsPerIter;
-  static_assert(kRows == D / 16, "TileRegs");
-};
-
 template <int D, class T, bool kFull>
-__device__ __forceinline__ void load_k_rows(const sm90::KVQuantParams& p, int tile, int h, int b,
-                                            int tid, TileRegs<D>& raw) {
-  using M = KRowMap<D>;
-  const int lane_c = tid % M::kLanesPerRow, r0 = tid / M::kLanesPerRow;
-  const T* kb = static_cast<const T*>(p.k) + b * p.k_stride_b + h * p.k_stride_h + lane_c * 8;
-#pragma unroll
-  for (int i = 0; i < M::kRows; ++i) {
-    const int t = tile * sm90::kBlockKV + r0 + i * M::kRowsPerIter;
-    // Zeros past n_kv: padding never counts toward a scale.
-    raw[i] = kFull || t < p.n_kv ? *reinterpret_cast<const uint4*>(kb + (int64_t)t * p.k_stride_n)
-                                 : make_uint4(0, 0, 0, 0);
-  }
-}
-
-// The K tile's scales and codes from its rows in registers and the head's channel means in
-// shared memory (16-byte aligned; read by the caller's threads before their barrier);
-// k_amax_tensor: the head's largest |K - mean|, read only for per-tensor K.
-template <int D, class T, bool kFull>
-__device__ __forceinline__ void quantize_k_rows(const sm90::KVQuantParams& p, int tile, int h,
-                                                int b, TileThreads th, const TileRegs<D>& raw,
-                                                const float* s_kmean, const float* k_amax_tensor) {
-  using M = KRowMap<D>;
-  constexpr int kLanesPerRow = M::kLanesPerRow, kRowsPerIter = M::kRowsPerIter, kRows = M::kRows;
-  const int lane_c = th.tid % kLanesPerRow, r0 = th.tid / kLanesPerRow;
+__device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, int tile, int h,
+                                                int b) {
+  constexpr int kLanesPerRow = D / 8;
+  constexpr int kRowsPerIter = kThreads / kLanesPerRow;
+  constexpr int kRows = sm90::kBlockKV / kRowsPerIter;  // rows per thread
+  const int lane_c = threadIdx.x % kLanesPerRow, r0 = threadIdx.x / kLanesPerRow;
   const int64_t head = (int64_t)b * p.heads_kv + h;
+  __shared__ __align__(16) float s_kmean[D];
   __shared__ float s_row_amax[sm90::kBlockKV];
   __shared__ float s_kinv[sm90::kBlockKV];  // per token, or the tile's per-thread groups
+
+  const T* kb = static_cast<const T*>(p.k) + b * p.k_stride_b + h * p.k_stride_h + lane_c * 8;
+  uint4 raw[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    const int t = tile * sm90::kBlockKV + r0 + i * kRowsPerIter;
+    // Zeros past n_kv: padding never counts toward a scale.
+    raw[i] = kFull || t < p.n_kv
+                 ? *reinterpret_cast<const uint4*>(kb + (int64_t)t * p.k_stride_n)
+                 : make_uint4(0, 0, 0, 0);
+  }
+  sm90::grid_dependency_wait();  // the statistics kernel's finals (launched with PDL)
+  if (threadIdx.x < D) s_kmean[threadIdx.x] = p.out.k_mean[head * D + threadIdx.x];
+  __syncthreads();
   // The thread's eight channel means, as two 16-byte loads where they are used: read one float
   // at a time, they were 16 shared loads per row (four-way bank conflicts), the kernel's
   // largest share of shared-memory wavefronts (ncu, H200).
@@ -416,22 +358,22 @@ __device__ __forceinline__ void quantize_k_rows(const sm90::KVQuantParams& p, in
       thread_amax = fmaxf(thread_amax, __shfl_xor_sync(0xffffffffu, thread_amax, off));
     if (lane_c == 0) s_row_amax[r0] = thread_amax;
   }
-  th.sync();
+  __syncthreads();
   const float k_max = float(p.k_max);
   if (per_token) {
-    if (th.tid < sm90::kBlockKV) {
-      const int r = th.tid;
+    if (threadIdx.x < sm90::kBlockKV) {
+      const int r = threadIdx.x;
       s_kinv[r] = rules::symmetric_inverse(s_row_amax[r], k_max);
       p.out.k_scale[head * p.n_pad + tile * sm90::kBlockKV + r] =
           rules::symmetric_scale(s_row_amax[r], k_max);
     }
-  } else if (th.tid < 32) {
+  } else if (threadIdx.x < 32) {
     // One warp reduces the kRowsPerIter (16 or 32) entries (max is exact in any order): lane
     // l takes entry l, whose rows lie in thread group (l % 8) / 2, as do lanes l ^ 1, l ^ 8 and
     // l ^ 16. (Until v11 four threads each scanned all 128 rows while the CTA waited.)
     static_assert(sm90::kBlockKV == 128 && sm90::kKScalesPerTile == 4 && kRowsPerIter <= 32 &&
                       kRowsPerIter % 8 == 0, "lane map");
-    const int lane = th.tid;
+    const int lane = threadIdx.x;
     float amax = lane < kRowsPerIter ? s_row_amax[lane] : 0.f;
     for (int off : {1, 8, 16}) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
     const float tile_amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
@@ -442,7 +384,7 @@ __device__ __forceinline__ void quantize_k_rows(const sm90::KVQuantParams& p, in
       float a;
       switch (p.k_granularity) {
         case Granularity::per_thread: a = group_amax; break;
-        case Granularity::per_tensor: a = *k_amax_tensor; break;
+        case Granularity::per_tensor: a = p.out.k_amax[head]; break;
         default:  // per_block and per_warp: every warp reads the whole K tile
           a = fmaxf(tile_amax, both_groups);
           break;
@@ -452,7 +394,7 @@ __device__ __forceinline__ void quantize_k_rows(const sm90::KVQuantParams& p, in
           rules::symmetric_scale(a, k_max);
     }
   }
-  th.sync();
+  __syncthreads();
   int8_t* kq = p.out.k + (head * p.n_pad + tile * sm90::kBlockKV) * D + lane_c * 8;
   // The codes of rules::round_clamp, as the Q path gets them (q_operand.cuh, docs/numerics.md
   // step 3): the low byte of the product plus 1.5 * 2^23, and no clamp, which never acts since
@@ -511,71 +453,63 @@ static_assert(quad_tokens_match(), "quad_token_base agrees with pv_token_at_posi
 // channel + quad); at d = 64 it takes 4 quads x all 8 chunks (2-way conflicts), so that each
 // load reads whole 128-byte rows: half rows measured 11% slower there (H100, 2026-11-23).
 // (Until v11 each thread stored single bytes of one token's channels: 4x the shared-memory
-// stores, 4-way bank conflicts.) Unit k of thread tid is raw[4 k .. 4 k + 3] of its TileRegs.
-template <int D, VFormat F>
-struct VQuadMap {
-  static constexpr int kChunks = D / 8;              // 8-channel pieces of a token's row
-  static constexpr int kQuads = sm90::kBlockKV / 4;  // groups of four stored positions per tile
-  static constexpr int kChunksPerWarp = kChunks == 8 ? 8 : 4;
-  static constexpr int kQuadsPerWarp = 32 / kChunksPerWarp;
-  // Warp-units that share a chunk (they differ in quads): a channel's partial statistics
-  // come from that many slots (kv_fused_kernel).
-  static constexpr int kWarpsPerChunk = kQuads / kQuadsPerWarp;
-  static constexpr int kUnits = kQuads * kChunks / kThreads;  // (quad, chunk) units per thread
+// stores, 4-way bank conflicts.)
+template <int D, class T, VFormat F, bool kFull>
+__device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, int tile, int h,
+                                                int b, uint8_t* s_vt) {
+  constexpr int kChunks = D / 8;                 // 8-channel pieces of a token's row
+  constexpr int kQuads = sm90::kBlockKV / 4;     // groups of four stored positions per tile
+  constexpr int kChunksPerWarp = kChunks == 8 ? 8 : 4, kQuadsPerWarp = 32 / kChunksPerWarp;
+  constexpr int kUnits = kQuads * kChunks / kThreads;  // (quad, chunk) units per thread
   static_assert(kQuads * kChunks % kThreads == 0 && kQuads % kQuadsPerWarp == 0 &&
-                    kChunks % kChunksPerWarp == 0 && 4 * kUnits == D / 16,
-                "unit map");
-  __device__ __forceinline__ static int warp_unit(int tid, int k) { return (tid + k * kThreads) / 32; }
-  __device__ __forceinline__ static int quad(int tid, int k) {
-    return (warp_unit(tid, k) % kWarpsPerChunk) * kQuadsPerWarp + tid % kQuadsPerWarp;
-  }
-  __device__ __forceinline__ static int chunk(int tid, int k) {
-    return (warp_unit(tid, k) / kWarpsPerChunk) * kChunksPerWarp + (tid % 32) / kQuadsPerWarp;
-  }
+                kChunks % kChunksPerWarp == 0, "unit map");
+  const int64_t head = (int64_t)b * p.heads_kv + h;
+  constexpr bool v_fp16 = F == VFormat::fp16;
+  __shared__ float s_vmean[D], s_vinv[D];
+
+  auto unit_quad = [](int k) {
+    const int u = threadIdx.x + k * kThreads, w = u / 32, lane = u % 32;
+    return (w % (kQuads / kQuadsPerWarp)) * kQuadsPerWarp + lane % kQuadsPerWarp;
+  };
+  auto unit_chunk = [](int k) {
+    const int u = threadIdx.x + k * kThreads, w = u / 32, lane = u % 32;
+    return (w / (kQuads / kQuadsPerWarp)) * kChunksPerWarp + lane / kQuadsPerWarp;
+  };
   // The tile token stored at position 4 * quad + i. 8-bit V: positions 4t .. 4t + 3 of a
   // 16-token half slice hold tokens 2t, 2t + 1, 2t + 8, 2t + 9 (pv_token_at_position), so a
-  // quad's tokens are one base plus constants once i is unrolled (checked above).
-  __device__ __forceinline__ static int token(int quad, int i) {
-    if constexpr (F == VFormat::fp16) return 4 * quad + i;
+  // quad's tokens are one base plus constants once i is unrolled (checked below).
+  auto token_at = [&](int quad, int i) {
+    if constexpr (v_fp16) return 4 * quad + i;
     return quad_token_base(quad) + (i < 2 ? i : 6 + i);
-  }
-};
+  };
 
-template <int D, class T, VFormat F, bool kFull>
-__device__ __forceinline__ void load_v_quads(const sm90::KVQuantParams& p, int tile, int h, int b,
-                                             int tid, TileRegs<D>& raw) {
-  using M = VQuadMap<D, F>;
   const T* vb = static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h;
+  uint4 raw[kUnits][4];
 #pragma unroll
-  for (int k = 0; k < M::kUnits; ++k)
+  for (int k = 0; k < kUnits; ++k)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int t = tile * sm90::kBlockKV + M::token(M::quad(tid, k), i);
+      const int t = tile * sm90::kBlockKV + token_at(unit_quad(k), i);
       // Zeros past n_kv: padding never counts toward a scale.
-      raw[4 * k + i] = kFull || t < p.n_kv
-                           ? *reinterpret_cast<const uint4*>(vb + (int64_t)t * p.v_stride_n +
-                                                             M::chunk(tid, k) * 8)
-                           : make_uint4(0, 0, 0, 0);
+      raw[k][i] = kFull || t < p.n_kv ? *reinterpret_cast<const uint4*>(
+                                            vb + (int64_t)t * p.v_stride_n + unit_chunk(k) * 8)
+                                      : make_uint4(0, 0, 0, 0);
     }
-}
+  sm90::grid_dependency_wait();  // the statistics kernel's finals (launched with PDL)
+  if (threadIdx.x < D) {
+    s_vmean[threadIdx.x] = p.out.v_mean[head * D + threadIdx.x];
+    s_vinv[threadIdx.x] = p.out.v_inv[head * D + threadIdx.x];
+  }
+  __syncthreads();
 
-// The V tile's codes from its quads in registers and the head's channel means and inverse
-// scales in shared memory (read by the caller's threads before their barrier).
-template <int D, class T, VFormat F, bool kFull>
-__device__ __forceinline__ void quantize_v_quads(const sm90::KVQuantParams& p, int tile, int h,
-                                                 int b, TileThreads th, const TileRegs<D>& raw,
-                                                 const float* s_vmean, const float* s_vinv,
-                                                 uint8_t* s_vt) {
-  using M = VQuadMap<D, F>;
-  constexpr bool v_fp16 = F == VFormat::fp16;
   constexpr int pitch = (v_fp16 ? 2 : 1) * kVtPitch8;
 #pragma unroll
-  for (int k = 0; k < M::kUnits; ++k) {
-    const int quad = M::quad(th.tid, k), c0 = M::chunk(th.tid, k) * 8;
+  for (int k = 0; k < kUnits; ++k) {
+    const int quad = unit_quad(k), c0 = unit_chunk(k) * 8;
     bool valid[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i)
-      valid[i] = kFull || tile * sm90::kBlockKV + M::token(quad, i) < p.n_kv;
+      valid[i] = kFull || tile * sm90::kBlockKV + token_at(quad, i) < p.n_kv;
     // One 32-bit word (two channels) of the four tokens at a time: 8 floats live, not 32 (with
     // all 32 the fp16 d = 128 kernel took 80 registers, three CTAs per SM instead of four).
 #pragma unroll
@@ -583,7 +517,7 @@ __device__ __forceinline__ void quantize_v_quads(const sm90::KVQuantParams& p, i
       float2 y[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const uint4& r = raw[4 * k + i];
+        const uint4& r = raw[k][i];
         y[i] = gpu::word_to_float2<T>(w == 0 ? r.x : w == 1 ? r.y : w == 2 ? r.z : r.w);
       }
 #pragma unroll
@@ -605,40 +539,8 @@ __device__ __forceinline__ void quantize_v_quads(const sm90::KVQuantParams& p, i
       }
     }
   }
-  th.sync();
-  store_vt_tile<D, v_fp16 ? 2 : 1>(p, b, h, tile, th.tid, s_vt);
-}
-
-// The two-pass path's tiles: load first, then wait for the statistics kernel's finals
-// (launched with PDL), then quantize.
-template <int D, class T, bool kFull>
-__device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, int tile, int h,
-                                                int b) {
-  TileRegs<D> raw;
-  load_k_rows<D, T, kFull>(p, tile, h, b, threadIdx.x, raw);
-  sm90::grid_dependency_wait();
-  const int64_t head = (int64_t)b * p.heads_kv + h;
-  __shared__ __align__(16) float s_kmean[D];
-  if (threadIdx.x < D) s_kmean[threadIdx.x] = p.out.k_mean[head * D + threadIdx.x];
   __syncthreads();
-  quantize_k_rows<D, T, kFull>(p, tile, h, b, TileThreads{int(threadIdx.x), 0}, raw, s_kmean,
-                               &p.out.k_amax[head]);
-}
-template <int D, class T, VFormat F, bool kFull>
-__device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, int tile, int h,
-                                                int b, uint8_t* s_vt) {
-  TileRegs<D> raw;
-  load_v_quads<D, T, F, kFull>(p, tile, h, b, threadIdx.x, raw);
-  sm90::grid_dependency_wait();
-  const int64_t head = (int64_t)b * p.heads_kv + h;
-  __shared__ float s_vmean[D], s_vinv[D];
-  if (threadIdx.x < D) {
-    s_vmean[threadIdx.x] = p.out.v_mean[head * D + threadIdx.x];
-    s_vinv[threadIdx.x] = p.out.v_inv[head * D + threadIdx.x];
-  }
-  __syncthreads();
-  quantize_v_quads<D, T, F, kFull>(p, tile, h, b, TileThreads{int(threadIdx.x), 0}, raw, s_vmean,
-                                   s_vinv, s_vt);
+  store_vt_tile<D, v_fp16 ? 2 : 1>(p, b, h, tile, s_vt);
 }
 
 // kFull: n_kv is a multiple of kBlockKV (chosen per launch: as a branch per CTA between the
@@ -659,182 +561,6 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 6 : 4)
     quantize_v_tile<D, T, VFormat::int8, kFull>(p, tile, h, b, s_vt);
   else
     quantize_v_tile<D, T, VFormat::e4m3, kFull>(p, tile, h, b, s_vt);
-}
-
-// ---- one pass: statistics and quantization of a head in one cluster ------------------------
-// For n_pad <= kFusedMaxTiles * kBlockKV: one CTA per 128-token tile and both of its tensors
-// (K in the first kThreads threads, V in the second), one cluster per head. Each CTA copies
-// its K and V tiles into shared memory once (cp.async), publishes its partial statistics,
-// reads every CTA's through distributed shared memory in rank order (the same finals in
-// every CTA, so no broadcast round), and quantizes the tiles from shared memory. K and V cross
-// DRAM once, where the two-pass path reads them twice: 1.5 instead of 2.5 bytes of traffic
-// per input byte. The tiles wait in shared memory, not registers: held in registers across the
-// cluster exchange they took 95-112 registers per thread (ptxas), one CTA per SM.
-constexpr int kFusedMaxTiles = 16;  // Hopper's largest cluster (non-portable above 8)
-
-// A tile in shared memory: 128 rows of D / 8 16-byte chunks, chunk c of row r stored at
-// c ^ fused_swizzle<D>(r). The V map reads 8 different rows' same chunk per quarter warp
-// (tokens 0, 2, 4, 6, 16, 18, 20, 22 + i at d = 128; 0, 2, 4, 6 + i with two chunks at
-// d = 64): unswizzled, that was an 8-way (4-way) bank conflict; the K map reads 8 chunks of
-// one row, which any XOR keeps apart.
-template <int D>
-__device__ __forceinline__ int fused_swizzle(int row) {
-  if constexpr (D == 128) return ((row >> 1) & 3) | ((row >> 2) & 4);
-  return ((row >> 1) & 3) << 1;
-}
-template <int D>
-__device__ __forceinline__ uint4* fused_chunk(uint4* tile, int row, int chunk) {
-  return tile + row * (D / 8) + (chunk ^ fused_swizzle<D>(row));
-}
-
-// Dynamic shared memory: the two tiles, then a scratch area that holds the warps' partial
-// statistics until the cluster exchange and the transposed V tile after it.
-template <int D>
-constexpr size_t fused_tiles_bytes() {
-  return 2 * size_t(sm90::kBlockKV) * D * 2;
-}
-template <int D>
-constexpr size_t fused_partials_bytes() {
-  return 2 * size_t(kStatsRows) * kPartialSlots * D * sizeof(float);
-}
-
-template <int D>
-struct FusedShared {
-  __align__(16) float mean[2][D];  // K and V channel means (16-byte loads: quantize_k_rows)
-  float v_inv[D];
-  float cta[2][kStatsRows][D];  // per tensor: this CTA's statistics, read by the whole cluster
-  float warp_amax[2][D / 32];
-  float k_amax;  // per-tensor K: the head's largest |K - mean|
-};
-
-template <int D, class T, VFormat F, bool kFull>
-__device__ __forceinline__ void fused_pass(const sm90::KVQuantParams& p, FusedShared<D>& sh,
-                                           uint8_t* dyn) {
-  namespace cg = cooperative_groups;
-  using KM = KRowMap<D>;
-  using VM = VQuadMap<D, F>;
-  cg::cluster_group cluster = cg::this_cluster();
-  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;  // the cluster spans x
-  const int half = threadIdx.x / kThreads;                      // 0: K, 1: V
-  const TileThreads th{int(threadIdx.x % kThreads), 1 + half};
-  const int lane = th.tid % 32, lane_c = th.tid % KM::kLanesPerRow, r0 = th.tid / KM::kLanesPerRow;
-  uint4* tiles = reinterpret_cast<uint4*>(dyn);
-  uint4* my_tile = tiles + half * sm90::kBlockKV * (D / 8);
-  auto partials = reinterpret_cast<float(*)[kStatsRows][kPartialSlots][D]>(dyn + fused_tiles_bytes<D>());
-  uint8_t* s_vt = dyn + fused_tiles_bytes<D>();  // after the exchange
-  auto row_valid = [&](int row) { return kFull || tile * sm90::kBlockKV + row < p.n_kv; };
-
-  // Both halves copy their tensor's rows in the K map (row r0 + i kRowsPerIter, chunk lane_c).
-  {
-    const T* src = half == 0 ? static_cast<const T*>(p.k) + b * p.k_stride_b + h * p.k_stride_h
-                             : static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h;
-    const int64_t stride_n = half == 0 ? p.k_stride_n : p.v_stride_n;
-#pragma unroll
-    for (int i = 0; i < KM::kRows; ++i) {
-      const int row = r0 + i * KM::kRowsPerIter;
-      const bool valid = row_valid(row);
-      // Zeros past n_kv: padding never counts toward a scale (the address stays in the tensor).
-      const int t = valid ? tile * sm90::kBlockKV + row : 0;
-      sm90::cp_async_16(fused_chunk<D>(my_tile, row, lane_c), src + t * stride_n + lane_c * 8,
-                        valid ? 16 : 0);
-    }
-    sm90::cp_async_wait_all();
-    th.sync();
-  }
-  {
-    ChannelStats<T> st;
-    st.init();
-#pragma unroll
-    for (int i = 0; i < KM::kRows; ++i) {
-      const int row = r0 + i * KM::kRowsPerIter;
-      if (row_valid(row)) st.add(*fused_chunk<D>(my_tile, row, lane_c));
-    }
-    publish_partials<D, T>(st, KM::kLanesPerRow, 32, lane < KM::kLanesPerRow, th.tid / 32,
-                           lane_c * 8, partials[half]);
-  }
-  th.sync();
-  const int c = th.tid;
-  if (c < D) sum_partials<D, kWarps>(partials[half], c, &sh.cta[half][0][0]);
-  sm90::cluster_arrive_release();
-  sm90::cluster_wait_acquire();  // every CTA's sh.cta is written
-  float sum = 0.f, mx = -FLT_MAX, mn = FLT_MAX;
-  if (c < D)
-    for (int r = 0; r < int(cluster.num_blocks()); ++r) {
-      const float* other = cluster.map_shared_rank(&sh.cta[half][0][0], r);
-      sum += other[kSum * D + c];
-      mx = fmaxf(mx, other[kMax * D + c]);
-      mn = fminf(mn, other[kMin * D + c]);
-    }
-  // Done with the other CTAs' shared memory; the matching wait is the kernel's last step, so
-  // that no CTA leaves while another may still read it.
-  sm90::cluster_arrive_release();
-
-  // The finals, as the statistics kernel computes them (see there), in every CTA.
-  const bool smooth = half == 0 ? p.smooth_k : p.smooth_v;
-  float mean = 0.f, amax = 0.f;
-  if (c < D) {
-    mean = smooth ? sum / p.n_kv : 0.f;
-    amax = fmaxf(mx - mean, mean - mn);
-    sh.mean[half][c] = mean;
-    float m = amax;
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    if (lane == 0) sh.warp_amax[half][c / 32] = m;
-  }
-  th.sync();
-  const int64_t head = (int64_t)b * p.heads_kv + h;
-  const bool writes_finals = cluster.block_rank() == 0;
-  if (c < D) {
-    float all = sh.warp_amax[half][0];
-#pragma unroll
-    for (int w = 1; w < D / 32; ++w) all = fmaxf(all, sh.warp_amax[half][w]);
-    if (half == 0) {
-      if (c == 0) sh.k_amax = all;
-      if (writes_finals) {
-        p.out.k_mean[head * D + c] = mean;
-        if (c == 0) p.out.k_amax[head] = all;
-      }
-    } else {
-      if (p.v_per_tensor) amax = all;  // INT-FlashAttention: one scale over all channels
-      sh.v_inv[c] = v_inverse_of(p, amax);
-      if (writes_finals) {
-        p.out.v_mean[head * D + c] = mean;
-        p.out.v_scale[head * D + c] = v_scale_of(p, amax);
-        p.out.v_inv[head * D + c] = sh.v_inv[c];
-      }
-    }
-  }
-  // Every thread of the CTA: the V half's s_vt overwrites the K half's partials.
-  __syncthreads();
-  TileRegs<D> raw;
-  if (half == 0) {
-#pragma unroll
-    for (int i = 0; i < KM::kRows; ++i) raw[i] = *fused_chunk<D>(my_tile, r0 + i * KM::kRowsPerIter, lane_c);
-    quantize_k_rows<D, T, kFull>(p, tile, h, b, th, raw, sh.mean[0], &sh.k_amax);
-  } else {
-#pragma unroll
-    for (int k = 0; k < VM::kUnits; ++k)
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        raw[4 * k + i] = *fused_chunk<D>(my_tile, VM::token(VM::quad(th.tid, k), i), VM::chunk(th.tid, k));
-    quantize_v_quads<D, T, F, kFull>(p, tile, h, b, th, raw, sh.mean[1], sh.v_inv, s_vt);
-  }
-  sm90::cluster_wait_acquire();
-}
-
-// Two CTAs per SM at d = 128 (64 registers; shared memory would allow no third), three at
-// d = 64 (42 registers).
-template <int D, class T, bool kFull>
-__global__ void __launch_bounds__(2 * kThreads, D == 64 ? 3 : 2)
-    kv_fused_kernel(const sm90::KVQuantParams p) {
-  extern __shared__ __align__(16) uint8_t dyn[];
-  __shared__ FusedShared<D> sh;
-  if (p.pv_path == sm90::PVPath::fp16)
-    fused_pass<D, T, VFormat::fp16, kFull>(p, sh, dyn);
-  else if (p.pv_path == sm90::PVPath::int8)
-    fused_pass<D, T, VFormat::int8, kFull>(p, sh, dyn);
-  else
-    fused_pass<D, T, VFormat::e4m3, kFull>(p, sh, dyn);
 }
 
 // Pass for prequantized INT8 inputs (INT-FlashAttention): nothing to measure or quantize, so
@@ -881,92 +607,17 @@ __global__ void __launch_bounds__(kThreads) kv_copy_prequantized_kernel(const sm
       s_vt[(lane_c * 8 + j) * kVtPitch8 + pos] = uint8_t(((j < 4 ? vw.x : vw.y) >> (8 * (j % 4))) & 0xFF);
   }
   __syncthreads();
-  store_vt_tile<D, 1>(p, b, h, tile, threadIdx.x, s_vt);
-}
-
-
-// Whether a cluster of `tiles` fused CTAs can be resident on this device (up to 8 is portable;
-// 16 needs 8 SMs of one GPC at two CTAs per SM). Asked once per device, kernel and cluster
-// size: the occupancy query costs microseconds.
-bool fused_cluster_fits(const void* kernel, const cudaLaunchConfig_t& cfg, int tiles) {
-  static std::mutex mutex;
-  static std::map<std::tuple<int, const void*, int>, bool> known;
-  int device = 0;
-  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess)
-    sm90::throw_cuda("K/V pre-pass: cudaGetDevice", err);
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_tuple(device, kernel, tiles);
-  if (const auto it = known.find(key); it != known.end()) return it->second;
-  int clusters = 0;
-  const cudaError_t err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
-  if (err != cudaSuccess) sm90::throw_cuda("K/V pre-pass: cudaOccupancyMaxActiveClusters", err);
-  return known[key] = clusters > 0;
-}
-
-template <int D, class T, bool kFull>
-bool launch_fused(const sm90::KVQuantParams& p, cudaStream_t stream, bool required) {
-  const int tiles = p.n_pad / sm90::kBlockKV;
-  if (tiles > kFusedMaxTiles) {
-    if (required)
-      throw Error("how", "the fused K/V pre-pass takes n_pad <= " +
-                             std::to_string(kFusedMaxTiles * sm90::kBlockKV) +
-                             " (one CTA per 128 tokens in one cluster; got " +
-                             std::to_string(p.n_pad) + ")");
-    return false;
-  }
-  const void* kernel = reinterpret_cast<const void*>(&kv_fused_kernel<D, T, kFull>);
-  const size_t vt_bytes = size_t(D) * sm90::v_bytes(p.pv_path) * kVtPitch8;
-  auto dynamic_bytes = [](size_t vt) {
-    return fused_tiles_bytes<D>() + std::max(fused_partials_bytes<D>(), vt);
-  };
-  // Once per instantiation: clusters above 8 CTAs, and shared memory beyond the 48 KiB a
-  // launch gets without asking (sized for fp16 V, the largest transposed tile).
-  static const cudaError_t attributes = [&] {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    if (e == cudaSuccess)
-      e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               int(dynamic_bytes(size_t(D) * 2 * kVtPitch8)));
-    return e;
-  }();
-  if (attributes != cudaSuccess) sm90::throw_cuda("K/V pre-pass: fused kernel attributes", attributes);
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(tiles, p.heads_kv, p.batch);
-  cfg.blockDim = dim3(2 * kThreads);
-  cfg.dynamicSmemBytes = dynamic_bytes(vt_bytes);
-  cfg.stream = stream;
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = tiles, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
-  cfg.attrs = &cluster;
-  cfg.numAttrs = 1;
-  if (!fused_cluster_fits(kernel, cfg, tiles)) {
-    if (required)
-      throw CudaError("K/V pre-pass: a cluster of " + std::to_string(tiles) +
-                      " fused CTAs cannot be resident on this device");
-    return false;
-  }
-  const cudaError_t err = cudaLaunchKernelEx(&cfg, kv_fused_kernel<D, T, kFull>, p);
-  if (err != cudaSuccess) sm90::throw_cuda("K/V fused pre-pass launch", err);
-  return true;
+  store_vt_tile<D, 1>(p, b, h, tile, s_vt);
 }
 
 }  // namespace
 
 template <int D, class T>
-void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream, PrepassLaunch how) {
+void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream) {
   if (p.k_scale_in != nullptr) {
-    if (how != PrepassLaunch::automatic)
-      throw Error("how", "prequantized inputs have one pre-pass launch (a copy): use automatic");
     const dim3 grid(p.n_pad / sm90::kBlockKV, p.heads_kv, p.batch);
     kv_copy_prequantized_kernel<D><<<grid, kThreads, 0, stream>>>(p);
     return;
-  }
-  const bool full_tiles = p.n_kv % sm90::kBlockKV == 0;
-  if (how != PrepassLaunch::two_pass) {
-    const bool required = how == PrepassLaunch::fused;
-    if (full_tiles ? launch_fused<D, T, true>(p, stream, required)
-                   : launch_fused<D, T, false>(p, stream, required))
-      return;
   }
   const dim3 stats_grid(kStatsCtas, p.heads_kv, p.batch);  // one cluster per head
   kv_stats_kernel<D, T><<<stats_grid, kThreads, 0, stream>>>(p);
@@ -981,16 +632,15 @@ void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream, Prepas
   pdl.val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = &pdl;
   cfg.numAttrs = 1;
+  const bool full_tiles = p.n_kv % sm90::kBlockKV == 0;
   const cudaError_t err = full_tiles ? cudaLaunchKernelEx(&cfg, kv_quantize_kernel<D, T, true>, p)
                                      : cudaLaunchKernelEx(&cfg, kv_quantize_kernel<D, T, false>, p);
   if (err != cudaSuccess) sm90::throw_cuda("K/V quantize launch", err);
 }
 
 #define SAGE_INSTANTIATE_PREPASS(D)                                                        \
-  template void launch_kv_prepass<D, __half>(const sm90::KVQuantParams&, cudaStream_t,       \
-                                            PrepassLaunch);                                 \
-  template void launch_kv_prepass<D, __nv_bfloat16>(const sm90::KVQuantParams&, cudaStream_t, \
-                                                    PrepassLaunch);
+  template void launch_kv_prepass<D, __half>(const sm90::KVQuantParams&, cudaStream_t);   \
+  template void launch_kv_prepass<D, __nv_bfloat16>(const sm90::KVQuantParams&, cudaStream_t);
 SAGE_FOR_EACH_HEAD_DIM(SAGE_INSTANTIATE_PREPASS)
 
 }  // namespace sage::quant

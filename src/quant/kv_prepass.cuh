@@ -1,8 +1,6 @@
-// The K/V pre-pass: one or two launches that turn fp16/bf16 K and V into what the attention kernel
+// The K/V pre-pass: two launches that turn fp16/bf16 K and V into what the attention kernel
 // streams with TMA.
 //
-// For short sequences (n_pad <= 2048) one launch does both: kv_fused, a cluster of one CTA per
-// tile for each head, reads K and V once. Otherwise:
 //   1. kv_stats: one cluster of CTAs per head reads K and V once and writes the head's
 //      channel statistics (K mean, V mean, V scale and its inverse, K's largest |K - mean|),
 //      combined on chip in a fixed order, so repeated calls are bit-identical.
@@ -43,14 +41,7 @@ constexpr bool pv_positions_invert() {
 }
 static_assert(pv_positions_invert(), "pv_token_at_position inverts pv_position_of_token");
 
-// Which launches do the work. automatic: the fused one where the head fits in one cluster
-// (n_pad <= 2048) and the device can hold that cluster, else the two passes; the results agree
-// up to the K and V means' summation order (fp32 sums over different partitions). The other two
-// force a path (tests, A/Bs); fused throws where it cannot run.
-enum class PrepassLaunch { automatic, two_pass, fused };
-
 template <int D, class T>
-void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream,
-                       PrepassLaunch how = PrepassLaunch::automatic);
+void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream);
 
 }  // namespace sage::quant

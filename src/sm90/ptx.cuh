@@ -92,20 +92,6 @@ __device__ __forceinline__ void grid_dependency_wait() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
-// ---- 16-byte asynchronous copies (cp.async) -------------------------------------------------
-
-// Copies 16 bytes from global to shared memory without a register; `bytes` below 16 fills the
-// rest with zeros (0: nothing is read, only zeros written).
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, int bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(smem)), "l"(gmem),
-               "r"(bytes)
-               : "memory");
-}
-// Waits for every cp.async of this thread.
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_all;" ::: "memory");
-}
-
 // ---- TMA -----------------------------------------------------------------------------------
 
 // Brings a global line into L2 without waiting for it or holding a register.
