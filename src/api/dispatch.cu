@@ -254,7 +254,6 @@ void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVar
   ap.grouped_order = sm90::use_grouped_order(ap, D, sm90::v_bytes(v.path));
   ap.kv = quantized_kv_at(ws, w);
   const sm90::AttentionMaps maps = sm90::make_attention_maps(ap, D, sm90::v_bytes(v.path));
-  ap.o_tma = maps.o_tma;
   bool launched = false;
 #define SAGE_LAUNCH_VARIANT(P, K, SQ)                                                       \
   if (!launched && v.path == sm90::PVPath::P && v.k_scales == sm90::KScales::K &&           \

@@ -99,9 +99,6 @@ struct SharedStorage {
   double q_sum[4 * kConsumers][D];  // Q smoothing: column sums per consumer warp
   float q_mean[kConsumers][D];      // Q smoothing: the tile mean, one copy per warpgroup
   float key_bias[kConsumers][2][kBlockKV];  // Q smoothing: dS per key, [warpgroup][tile parity]
-  // The output tile of each consumer warp on its way out through TMA (epilogue.cuh): its own
-  // buffer, so that the store runs on under the next item's prologue.
-  alignas(1024) uint8_t o_stage[4 * kConsumers][16 * D * 2];
 };
 
 // How many K/V tiles the Q tile starting at q0 needs (bottom-right causal alignment:
@@ -146,8 +143,7 @@ __device__ __forceinline__ WorkItem work_item(const AttentionParams& p, int w) {
 template <int D, class T, PVPath Path, KScales KS, bool SmoothQ>
 __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
     attention_kernel(const __grid_constant__ CUtensorMap tma_k,
-                     const __grid_constant__ CUtensorMap tma_v,
-                     const __grid_constant__ CUtensorMap tma_o, const AttentionParams p) {
+                     const __grid_constant__ CUtensorMap tma_v, const AttentionParams p) {
   using PV = PVOperand<D, Path>;
   using Cta = CtaShape<D>;
   constexpr int kBlockQ = sage::sm90::kBlockQ<D>;
@@ -539,15 +535,10 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
     T* out_head = static_cast<T*>(p.out) + b * p.o_stride_b + h * p.o_stride_h;
     const int warp_row0 = wg_row0 + 16 * warp;
     const bool aligned16 = reinterpret_cast<uintptr_t>(out_head) % 16 == 0 && p.o_stride_n % 8 == 0;
-    if (p.o_tma)
-      store_output_tma<D, T>(o, inv_l, l, p.kv.v_scale + kv_head * D,
-                             p.smooth_v ? p.kv.v_mean + kv_head * D : nullptr,
-                             s.o_stage[4 * cw + warp], &tma_o, warp_row0, h, b, lane);
-    else
-      store_output_rows<D, T>(o, inv_l, l, p.kv.v_scale + kv_head * D,
-                              p.smooth_v ? p.kv.v_mean + kv_head * D : nullptr,
-                              s.q[cw] + 16 * warp * D, out_head + (int64_t)warp_row0 * p.o_stride_n,
-                              p.o_stride_n, p.n_q - warp_row0, aligned16, lane);
+    store_output_rows<D, T>(o, inv_l, l, p.kv.v_scale + kv_head * D,
+                            p.smooth_v ? p.kv.v_mean + kv_head * D : nullptr, s.q[cw] + 16 * warp * D,
+                            out_head + (int64_t)warp_row0 * p.o_stride_n, p.o_stride_n,
+                            p.n_q - warp_row0, aligned16, lane);
     if (want_lse && t == 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -560,8 +551,6 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
       }
     }
   }
-  // The last item's output stores are done before the CTA (and its shared memory) goes.
-  if (p.o_tma && threadIdx.x % 32 == 0) bulk_store_wait<0>();
 }
 
 }  // namespace sage::sm90

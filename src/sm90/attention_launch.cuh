@@ -25,7 +25,7 @@ void launch_attention(const AttentionParams& p, const AttentionMaps& maps, cudaS
   });
   if (attribute_error != cudaSuccess) throw_cuda("cudaFuncSetAttribute(attention)", attribute_error);
   const dim3 grid(unsigned(cta_count(p.n_q_tiles, p.heads_q * p.batch, p.items_per_cta, p.grouped_order)));
-  kernel<<<grid, CtaShape<D>::kThreads, smem, stream>>>(maps.k, maps.v, maps.o, p);
+  kernel<<<grid, CtaShape<D>::kThreads, smem, stream>>>(maps.k, maps.v, p);
 }
 
 }  // namespace sage::sm90

@@ -13,14 +13,7 @@
 // The staging buffer is the warp's own 16 rows of its warpgroup's Q tile (16 x D bytes): the
 // item's QK MMAs, its only readers, have completed, and the next item's prologue rewrites it.
 // That holds half the warp's output row, so the tile goes out in two column halves.
-//
-// store_output_tma, where the output allows it (16-byte aligned base and strides): the warp's
-// tile goes to its own staging buffer and out through TMA bulk stores, which run on while the
-// warp starts the next item. With the stores above the epilogue took 7% of the d = 128 kernel
-// at N = 1K and 4% at 2K (timing probe, docs/performance.md, session 16).
 #pragma once
-
-#include <cuda.h>
 
 #include <cstdint>
 
@@ -28,20 +21,6 @@
 #include "sm90/ptx.cuh"
 
 namespace sage::sm90 {
-
-// The values of the warp's output pieces: 8 x 8 block j (columns 8j .. 8j + 7) of row half r,
-// packed in pairs (fragment.cuh layout), normalized, unscaled and with the V mean added.
-template <int D, class T>
-__device__ __forceinline__ uint32_t output_pair(const float (&o)[D / 2], const float (&inv_l)[2],
-                                                const float (&l)[2], const float2 (&vs)[D / 8],
-                                                const float2 (&vm)[D / 8], int j, int r) {
-  float y0 = 0.f, y1 = 0.f;
-  if (l[r] > 0.f) {  // l sums P~ * p_max: its p_max cancels the one of P's codes
-    y0 = (o[4 * j + 2 * r] * vs[j].x) * inv_l[r] + vm[j].x;
-    y1 = (o[4 * j + 2 * r + 1] * vs[j].y) * inv_l[r] + vm[j].y;
-  }
-  return gpu::pack2<T>(y0, y1);
-}
 
 // o: the warp's accumulator (fragment.cuh layout); inv_l / l: its two rows' normalizers;
 // v_scale, v_mean: the head's V channel scales and means (v_mean null: zeros). stage: the
@@ -75,8 +54,15 @@ __device__ __forceinline__ void store_output_rows(const float (&o)[D / 2], const
     for (int jj = 0; jj < kHalfChunks; jj += 2) {
       uint32_t piece[4];
 #pragma unroll
-      for (int m = 0; m < 4; ++m)
-        piece[m] = output_pair<D, T>(o, inv_l, l, vs, vm, half * kHalfChunks + jj + m / 2, m % 2);
+      for (int m = 0; m < 4; ++m) {
+        const int j = half * kHalfChunks + jj + m / 2, r = m % 2;
+        float y0 = 0.f, y1 = 0.f;
+        if (l[r] > 0.f) {  // l sums P~ * p_max: its p_max cancels the one of P's codes
+          y0 = (o[4 * j + 2 * r] * vs[j].x) * inv_l[r] + vm[j].x;
+          y1 = (o[4 * j + 2 * r + 1] * vs[j].y) * inv_l[r] + vm[j].y;
+        }
+        piece[m] = gpu::pack2<T>(y0, y1);
+      }
       const int m = lane / 8, row = 8 * (m % 2) + lane % 8, chunk = jj + m / 2;
       stmatrix_x4(stage_addr + swizzled_offset(row, 16 * chunk, D), piece);
     }
@@ -96,46 +82,6 @@ __device__ __forceinline__ void store_output_rows(const float (&o)[D / 2], const
       }
     }
     __syncwarp();  // every lane has read this half before it is overwritten
-  }
-}
-
-// stage: the warp's 16 x D x 2 bytes (1024-byte aligned), as D / 64 TMA boxes of 16 rows x
-// 128 bytes in the 128-byte swizzle; tma_o: the output map (tma_maps.cu); row0: the warp's
-// first row in its (batch, head), h and b its head and batch. Rows at or past n_q are clipped
-// by the TMA unit. Lane 0 issues the stores and, before the stage is written again, waits
-// until the last ones have read it; the kernel waits for them all before it exits.
-template <int D, class T>
-__device__ __forceinline__ void store_output_tma(const float (&o)[D / 2], const float (&inv_l)[2],
-                                                 const float (&l)[2], const float* v_scale,
-                                                 const float* v_mean, uint8_t* stage,
-                                                 const CUtensorMap* tma_o, int row0, int h, int b,
-                                                 int lane) {
-  const uint32_t stage_addr = smem_addr(stage);
-  const int t = lane % 4;
-  float2 vs[D / 8], vm[D / 8];  // as in store_output_rows
-#pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
-    vs[j] = *reinterpret_cast<const float2*>(v_scale + 8 * j + 2 * t);
-    vm[j] = v_mean ? *reinterpret_cast<const float2*>(v_mean + 8 * j + 2 * t) : make_float2(0.f, 0.f);
-  }
-  if (lane == 0) bulk_store_wait_read<0>();  // the previous item's stores have left the stage
-  __syncwarp();
-  // stmatrix x4: pieces (row half 0, block j), (1, j), (0, j + 1), (1, j + 1); lane l gives the
-  // address of row l % 8 of piece l / 8. Block j is 16-byte chunk j % 8 of box j / 8.
-#pragma unroll
-  for (int jj = 0; jj < D / 8; jj += 2) {
-    uint32_t piece[4];
-#pragma unroll
-    for (int m = 0; m < 4; ++m) piece[m] = output_pair<D, T>(o, inv_l, l, vs, vm, jj + m / 2, m % 2);
-    const int m = lane / 8, row = 8 * (m % 2) + lane % 8, j = jj + m / 2;
-    stmatrix_x4(stage_addr + (j / 8) * 2048 + row * 128 + (((j % 8) ^ (row % 8)) * 16), piece);
-  }
-  fence_proxy_async();  // the stores to the stage, visible to the TMA unit
-  __syncwarp();
-  if (lane == 0) {
-#pragma unroll
-    for (int box = 0; box < D / 64; ++box) tma_store_4d(tma_o, stage + box * 2048, 64 * box, row0, h, b);
-    bulk_store_commit();
   }
 }
 

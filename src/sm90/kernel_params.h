@@ -95,9 +95,6 @@ struct AttentionParams {
   // Which CTA runs which items (work_order.h): the grouped order, or the consecutive one.
   // Set by the dispatch from use_grouped_order (schedule.h).
   bool grouped_order;
-  // The output goes out through TMA bulk stores (tma_o): set by the dispatch where the output's
-  // base and strides are 16-byte aligned (make_attention_maps).
-  bool o_tma;
   float sm_scale, sm_scale_log2;
   float p_max;  // P~ is scaled by this before its conversion (448, 127, 1 for fp16, or p_range)
   Granularity q_granularity;

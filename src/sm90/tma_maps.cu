@@ -2,7 +2,6 @@
 
 #include <cudaTypedefs.h>
 
-#include <cstdint>
 #include <string>
 
 #include "sage/error.h"
@@ -46,27 +45,6 @@ CUtensorMap encode_2d_u8(void* base, uint64_t inner, uint64_t outer, uint32_t bo
   return map;
 }
 
-// The output as a 4-D tensor of 16-bit values (D, n_q, H, B) with the caller's strides.
-bool encode_output(const AttentionParams& p, int head_dim, CUtensorMap* map) {
-  const int64_t strides_el[3] = {p.o_stride_n, p.o_stride_h, p.o_stride_b};
-  if (reinterpret_cast<uintptr_t>(p.out) % 16 != 0) return false;
-  for (const int64_t s : strides_el)
-    if (s <= 0 || (s * 2) % 16 != 0 || s * 2 >= (int64_t(1) << 40)) return false;
-  const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(p.n_q), cuuint64_t(p.heads_q),
-                              cuuint64_t(p.batch)};
-  const cuuint64_t strides[3] = {cuuint64_t(p.o_stride_n) * 2, cuuint64_t(p.o_stride_h) * 2,
-                                 cuuint64_t(p.o_stride_b) * 2};
-  const cuuint32_t box[4] = {64, 16, 1, 1};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  const CUresult r = encode_fn()(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, p.out, dims, strides, box,
-                                 elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
-                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    throw CudaError("cuTensorMapEncodeTiled (output) failed with CUresult " + std::to_string(int(r)));
-  return true;
-}
-
 }  // namespace
 
 AttentionMaps make_attention_maps(const AttentionParams& p, int head_dim, int v_bytes) {
@@ -78,8 +56,6 @@ AttentionMaps make_attention_maps(const AttentionParams& p, int head_dim, int v_
   // tokens, or 64 fp16 ones: the kernel loads two boxes per fp16 tile).
   m.v = encode_2d_u8(p.kv.vt, uint64_t(p.n_pad) * v_bytes, kv_heads * head_dim, 128, head_dim,
                      CU_TENSOR_MAP_SWIZZLE_128B);
-  m.o = CUtensorMap{};
-  m.o_tma = encode_output(p, head_dim, &m.o);
   return m;
 }
 

@@ -1,5 +1,4 @@
-// TMA descriptors of the quantized K and transposed V tensors in the workspace, and of the
-// output.
+// TMA descriptors of the quantized K and transposed V tensors in the workspace.
 #pragma once
 
 #include <cuda.h>
@@ -12,11 +11,6 @@ namespace sage::sm90 {
 struct AttentionMaps {
   CUtensorMap k;  // [B*Hkv*n_pad rows, D] int8, boxes of 128 x D, swizzled to the row width
   CUtensorMap v;  // [B*Hkv*D rows, n_pad * v_bytes bytes], boxes of D x 128 bytes, 128B swizzle
-  // The output [B, H, n_q, D] of 16-bit values, boxes of 16 rows x 64 values, 128B swizzle;
-  // only where o_tma (a 16-byte aligned base and strides): otherwise zeros, and the kernel
-  // stores with plain instructions.
-  CUtensorMap o;
-  bool o_tma = false;
 };
 
 AttentionMaps make_attention_maps(const AttentionParams& p, int head_dim, int v_bytes);
