@@ -253,6 +253,7 @@ void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVar
   ap.items_per_cta = sm90::items_per_cta(ap);  // after every field it reads
   ap.grouped_order = sm90::use_grouped_order(ap, D, sm90::v_bytes(v.path));
   ap.kv = quantized_kv_at(ws, w);
+  ap.q_stage = sm90::take_q_stage(ap, sm90::q_stage_capable(v.path, v.smooth_q), D);
   const sm90::AttentionMaps maps = sm90::make_attention_maps(ap, D, sm90::v_bytes(v.path));
   bool launched = false;
 #define SAGE_LAUNCH_VARIANT(P, K, SQ)                                                       \

@@ -5,8 +5,9 @@
 //
 // Warp specialization: warpgroup 0 is the producer (one thread issues TMA loads of the
 // quantized K tile and the transposed V tile into a ring of shared-memory stages, released
-// through mbarriers); warpgroups 1.. are consumers, 64 Q rows each (two at d = 128, three at
-// d = 64: tile.h). Register budgets are moved from the producer to the consumers with
+// through mbarriers; in the Q-stage instantiation its other three warps quantize Q tiles one
+// item ahead, q_stage.cuh); warpgroups 1.. are consumers, 64 Q rows each (two at d = 128,
+// three at d = 64: tile.h). Register budgets are moved from the producer to the consumers with
 // setmaxnreg. A CTA runs one or more work items (Q tiles of a batch and head) one after the
 // other.
 #pragma once
@@ -22,6 +23,7 @@
 #include "sm90/ptx.cuh"
 #include "sm90/pv_operand.cuh"
 #include "sm90/q_operand.cuh"
+#include "sm90/q_stage.cuh"
 #include "sm90/softmax.cuh"
 #include "sm90/work_order.h"
 #include "sm90/wgmma_ops.cuh"
@@ -87,14 +89,25 @@ struct CtaShape {
   static_assert(NamedBarrier::mma_turn(kConsumers - 1, kConsumers) < 16, "16 named barriers");
 };
 
-template <int D, int VBytes>
+// QStage: the variant has the Q stage (q_stage.cuh), which needs two Q buffers (the stage
+// fills one while the consumers read the other) and the raw tile.
+template <int D, int VBytes, bool QStage>
 struct SharedStorage {
   static constexpr int kConsumers = kConsumerWarpgroups<D>;
-  alignas(1024) int8_t q[kConsumers][64 * D];  // one quantized Q tile per consumer warpgroup
+  static constexpr int kQBuffers = QStage ? 2 : 1;
+  // Quantized Q tiles, one per consumer warpgroup (per buffer).
+  alignas(1024) int8_t q[kQBuffers][kConsumers][64 * D];
   alignas(1024) int8_t k[kStages][kBlockKV * D];
   alignas(1024) uint8_t v[kStages][D * kBlockKV * VBytes];
+  alignas(1024) uint8_t q_raw[QStage ? kBlockQ<D> * D * 2 : 16];  // the stage's fp16/bf16 tile
   alignas(8) uint64_t full[kStages];
   alignas(8) uint64_t empty[kStages];
+  // The Q stage: raw tile landed; buffer i quantized (stage -> consumers); buffer i read
+  // and its epilogue staging done (consumers -> stage).
+  alignas(8) uint64_t q_raw_full;
+  uint64_t q_full[2];
+  uint64_t q_empty[2];
+  float q_scale[2][QStage ? kBlockQ<D> : 1];  // per row of the tile, per buffer
   float reduce[4 * kConsumers];
   double q_sum[4 * kConsumers][D];  // Q smoothing: column sums per consumer warp
   float q_mean[kConsumers][D];      // Q smoothing: the tile mean, one copy per warpgroup
@@ -139,14 +152,20 @@ __device__ __forceinline__ WorkItem work_item(const AttentionParams& p, int w) {
 // T: the output dtype (and the input dtype of fp16/bf16 Q). Path: the PV operand policy.
 // KS: how the K scales are laid out (per tile groups or per token). SmoothQ: Q smoothing's
 // per-tile dS work; a compile-time choice because as a run-time branch it cost the recipes
-// without it ~5% at N = 16K (H100 A/B, 2026-11-22).
-template <int D, class T, PVPath Path, KScales KS, bool SmoothQ>
+// without it ~5% at N = 16K (H100 A/B, 2026-11-22). WithQStage: the instantiation with the Q
+// stage (q_stage.cuh), a second one because its code cost the kernel without it 1-4%
+// (bench/results/h200_v23_ab_2026-11-24.md).
+template <int D, class T, PVPath Path, KScales KS, bool SmoothQ, bool WithQStage>
 __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
     attention_kernel(const __grid_constant__ CUtensorMap tma_k,
-                     const __grid_constant__ CUtensorMap tma_v, const AttentionParams p) {
+                     const __grid_constant__ CUtensorMap tma_v,
+                     const __grid_constant__ CUtensorMap tma_q, const AttentionParams p) {
   using PV = PVOperand<D, Path>;
   using Cta = CtaShape<D>;
   constexpr int kBlockQ = sage::sm90::kBlockQ<D>;
+  constexpr bool kQStage = WithQStage;
+  static_assert(!kQStage || q_stage_capable(Path, SmoothQ), "no Q stage in this variant");
+  using Stage = QStage<D, T>;
   // The software pipeline below, except in the variants where ptxas (CUDA 13.0) spilled it
   // heavily (scripts/ptxas_report.sh): at d = 128 (240 registers) INT8 PV (sage1_vt/vb,
   // int_flash) and f16-pair PV (sage2pp_*), by 16 to 272 bytes depending on the softmax's
@@ -156,7 +175,7 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
       SAGE_SM90_OVERLAP_PV && (D == 64 ? KS == KScales::per_tile && !SmoothQ
                                        : Path == PVPath::e4m3_two_level || Path == PVPath::fp16);
   extern __shared__ uint8_t smem_raw[];
-  auto& s = *reinterpret_cast<SharedStorage<D, PV::kVBytes>*>(
+  auto& s = *reinterpret_cast<SharedStorage<D, PV::kVBytes, kQStage>*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
   // Up to items_per_cta items (sm90/schedule.cu), in work_order.h's order: the producer
@@ -174,9 +193,42 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
       mbar_init(&s.full[i], 1);
       mbar_init(&s.empty[i], 4 * Cta::kConsumers);  // one arrival per consumer warp
     }
+    mbar_init(&s.q_raw_full, 1);
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(&s.q_full[i], 1);
+      mbar_init(&s.q_empty[i], 4 * Cta::kConsumers);
+    }
     fence_barrier_init();
   }
   __syncthreads();
+
+  // The Q stage (q_stage.cuh), threads 32..127 of the producer warpgroup: item k's tile into
+  // buffer k % 2, once the consumers are done with item k - 2 there. The next item's TMA
+  // load is issued as soon as this one's raw tile has been read, so it lands while the
+  // consumers still run this item. The consumers quantize a CTA's first item themselves:
+  // staged, it waited for a TMA round trip and 96 threads' quantization with nothing else to
+  // do (-2% to -7% kernel where CTAs run one or two items, h200_v23_ab_2026-11-24.md).
+  auto run_q_stage = [&] {
+    const int stage_thread = threadIdx.x - 32;
+    if (stage_thread == 0) prefetch_tma_descriptor(&tma_q);
+    const int step = item_step(p.n_q_tiles, p.grouped_order);
+    int k = 1;
+    for (int w = mine.begin + step; w < mine.end; w += step, ++k) {
+      const WorkItem item = work_item(p, w);
+      const int buf = k & 1;
+      if (stage_thread == 0) Stage::load(&tma_q, s.q_raw, &s.q_raw_full, item.q_tile * kBlockQ, item.h, item.b);
+      // Suspending waits: the next buffer frees up only when the consumers finish an item, and
+      // three warps re-issuing try_wait meanwhile would take issue slots from the consumers.
+      mbar_wait_sleeping(&s.q_raw_full, (k - 1) & 1);
+      if (k >= 2) mbar_wait_sleeping(&s.q_empty[buf], ((k >> 1) - 1) & 1);
+      Stage::quantize(smem_addr(s.q_raw), smem_addr(s.q[buf][0]), s.q_scale[buf],
+                      p.q_granularity == Granularity::per_token, float(p.q_max), stage_thread);
+      // The codes are read by the MMA through the async proxy.
+      fence_proxy_async();
+      named_barrier_sync(NamedBarrier::q_stage, Stage::kThreads);
+      if (stage_thread == 0) mbar_arrive(&s.q_full[buf]);
+    }
+  };
 
   if (warpgroup == 0) {
     // ---- producer ------------------------------------------------------------------------
@@ -208,6 +260,10 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
                         (it * kVBoxes + box) * 128, v_row0);
         }
       }
+    } else if (threadIdx.x >= 32) {
+      if constexpr (kQStage) {
+        if (p.q_stage) run_q_stage();
+      }
     }
     return;
   }
@@ -228,7 +284,10 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
   // Descriptor low words of stage 0's K and V tiles; a stage's are a constant stride further.
   const uint32_t k_desc0 = smem_desc_lo(s.k[0]), v_desc0 = smem_desc_lo(s.v[0]);
   constexpr uint32_t kKStageDesc = sizeof(s.k[0]) / 16, kVStageDesc = sizeof(s.v[0]) / 16;
-  for (int w = mine.begin; w < mine.end; w += item_step(p.n_q_tiles, p.grouped_order)) {
+  const bool q_staged = kQStage && p.q_stage;  // items after the first come from the stage
+  int item_index = 0;  // of this CTA's items: the Q buffer and the stage's barrier phases
+  for (int w = mine.begin; w < mine.end;
+       w += item_step(p.n_q_tiles, p.grouped_order), ++item_index) {
     // The thread's coordinates, recomputed per item from an opaque copy of its index: left
     // loop-invariant, the compiler hoisted everything the prologue and epilogue derive from
     // them (Q and output addresses, swizzled offsets) out of the item loop, where they stayed
@@ -270,12 +329,23 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
     }
     QOperand<D> qop;
     const bool want_lse = p.lse != nullptr;
-    qop.load(p, q_head, q_scale_head, p.kv.k_mean + kv_head * D, rows, min(kBlockQ, p.n_q - q0),
-             lane, 4 * cw + warp, s.reduce, &s.q_sum[0][0], s.q_mean[cw], s.q[cw],
-             want_lse && p.smooth_k);
+    const int qbuf = kQStage ? item_index & 1 : 0;
+    if (q_staged && item_index > 0) {
+      // Not with the LSE under K smoothing (the dispatch's rule): q . mean(K) needs raw Q.
+      // Buffer 1 is filled for items 1, 3, ..., buffer 0 for items 2, 4, ...
+      mbar_wait(&s.q_full[qbuf], ((item_index - 1) >> 1) & 1);
+      const int tile_row = 64 * cw + 16 * warp + g;
+      qop.scale[0] = s.q_scale[qbuf][tile_row];
+      qop.scale[1] = s.q_scale[qbuf][tile_row + 8];
+      qop.dot_kmean[0] = qop.dot_kmean[1] = 0.f;
+    } else {
+      qop.load(p, q_head, q_scale_head, p.kv.k_mean + kv_head * D, rows, min(kBlockQ, p.n_q - q0),
+               lane, 4 * cw + warp, s.reduce, &s.q_sum[0][0], s.q_mean[cw], s.q[qbuf][cw],
+               want_lse && p.smooth_k);
+    }
     // The next item's Q rows into L2 (one 128-byte line per consumer thread, 2 per row at most),
     // so that its load in the next prologue does not wait for DRAM.
-    if (const int w_next = w + item_step(p.n_q_tiles, p.grouped_order); w_next < mine.end) {
+    if (const int w_next = w + item_step(p.n_q_tiles, p.grouped_order); !q_staged && w_next < mine.end) {
       const WorkItem next = work_item(p, w_next);
       const int row = next.q_tile * kBlockQ + (threadIdx.x - 128) % kBlockQ;
       const int line = (threadIdx.x - 128) / kBlockQ;
@@ -312,8 +382,8 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
     // This warpgroup's Q tile. The warpgroup index broadcast from lane 0 is known to be
     // warp-uniform, so the descriptor lives in uniform registers; from the thread index, the
     // compiler rebuilt it in ordinary ones and moved it across for every MMA (SASS).
-    const uint32_t q_desc =
-        smem_desc_lo(s.q[0]) + uint32_t(__shfl_sync(0xffffffffu, cw, 0)) * (sizeof(s.q[0]) / 16);
+    const uint32_t q_desc = smem_desc_lo(s.q[qbuf][0]) +
+                            uint32_t(__shfl_sync(0xffffffffu, cw, 0)) * (sizeof(s.q[0][0]) / 16);
     auto issue_qk = [&](int stage) {
       const uint32_t k_desc = k_desc0 + stage * kKStageDesc;
       wgmma_fence();
@@ -536,9 +606,12 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
     const int warp_row0 = wg_row0 + 16 * warp;
     const bool aligned16 = reinterpret_cast<uintptr_t>(out_head) % 16 == 0 && p.o_stride_n % 8 == 0;
     store_output_rows<D, T>(o, inv_l, l, p.kv.v_scale + kv_head * D,
-                            p.smooth_v ? p.kv.v_mean + kv_head * D : nullptr, s.q[cw] + 16 * warp * D,
+                            p.smooth_v ? p.kv.v_mean + kv_head * D : nullptr, s.q[qbuf][cw] + 16 * warp * D,
                             out_head + (int64_t)warp_row0 * p.o_stride_n, p.o_stride_n,
                             p.n_q - warp_row0, aligned16, lane);
+    // The buffer (Q codes and this warp's staging) goes back to the stage (the epilogue
+    // ended with __syncwarp: every lane's staging reads are done).
+    if (q_staged && lane == 0) mbar_arrive(&s.q_empty[qbuf]);
     if (want_lse && t == 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {

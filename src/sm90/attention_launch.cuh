@@ -13,10 +13,10 @@
 
 namespace sage::sm90 {
 
-template <int D, class T, PVPath Path, KScales KS, bool SmoothQ>
-void launch_attention(const AttentionParams& p, const AttentionMaps& maps, cudaStream_t stream) {
-  auto* kernel = attention_kernel<D, T, Path, KS, SmoothQ>;
-  const size_t smem = sizeof(SharedStorage<D, v_bytes(Path)>) + 1024;  // + slack to align the base to 1024
+template <int D, class T, PVPath Path, KScales KS, bool SmoothQ, bool QStage>
+void launch_attention_kernel(const AttentionParams& p, const AttentionMaps& maps, cudaStream_t stream) {
+  auto* kernel = attention_kernel<D, T, Path, KS, SmoothQ, QStage>;
+  const size_t smem = sizeof(SharedStorage<D, v_bytes(Path), QStage>) + 1024;  // + slack to align the base to 1024
   static std::once_flag attribute_set;
   static cudaError_t attribute_error = cudaSuccess;
   std::call_once(attribute_set, [&] {
@@ -25,7 +25,17 @@ void launch_attention(const AttentionParams& p, const AttentionMaps& maps, cudaS
   });
   if (attribute_error != cudaSuccess) throw_cuda("cudaFuncSetAttribute(attention)", attribute_error);
   const dim3 grid(unsigned(cta_count(p.n_q_tiles, p.heads_q * p.batch, p.items_per_cta, p.grouped_order)));
-  kernel<<<grid, CtaShape<D>::kThreads, smem, stream>>>(maps.k, maps.v, p);
+  kernel<<<grid, CtaShape<D>::kThreads, smem, stream>>>(maps.k, maps.v, maps.q, p);
+}
+
+// p.q_stage picks the instantiation with the Q stage (the dispatch sets it only where
+// q_stage_capable holds).
+template <int D, class T, PVPath Path, KScales KS, bool SmoothQ>
+void launch_attention(const AttentionParams& p, const AttentionMaps& maps, cudaStream_t stream) {
+  if constexpr (q_stage_capable(Path, SmoothQ)) {
+    if (p.q_stage) return launch_attention_kernel<D, T, Path, KS, SmoothQ, true>(p, maps, stream);
+  }
+  launch_attention_kernel<D, T, Path, KS, SmoothQ, false>(p, maps, stream);
 }
 
 }  // namespace sage::sm90

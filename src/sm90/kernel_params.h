@@ -27,6 +27,7 @@ struct NamedBarrier {
   static constexpr int q_stored(int cw) { return 2 + cw; }
   static constexpr int key_bias(int cw, int consumers) { return 2 + consumers + cw; }
   static constexpr int mma_turn(int cw, int consumers) { return 2 + 2 * consumers + cw; }
+  static constexpr int q_stage = 15;  // the Q stage's three warps (q_stage.cuh)
 };
 // Per-thread K scale groups per tile (tile.h); other granularities store one per tile.
 constexpr int kKScalesPerTile = 4;
@@ -40,6 +41,13 @@ enum class PVPath : int {
 };
 // Bytes per element of the transposed V tile each path streams.
 constexpr int v_bytes(PVPath path) { return path == PVPath::fp16 ? 2 : 1; }
+// Whether a kernel variant has a second instantiation with the Q stage (q_stage.cuh): the
+// SageAttention2 default path without Q smoothing (whose tile mean and dS the consumers
+// compute). Only there, to keep the instantiations and compile time in check; the other
+// variants always quantize Q in the consumers' prologue.
+constexpr bool q_stage_capable(PVPath path, bool smooth_q) {
+  return path == PVPath::e4m3_two_level && !smooth_q;
+}
 
 // How the K scales are stored: a few groups per 128-token tile (per_thread / per_block /
 // per_tensor, kKScalesPerTile slots) or one per token (per_token, prequantized inputs).
@@ -105,6 +113,11 @@ struct AttentionParams {
   // Prequantized Q (int8 codes in q) with per-token scales [B, Hq, n_q]; null otherwise.
   const float* q_scale;
   int64_t qs_stride_b, qs_stride_h, qs_stride_n;
+  // Q goes through the Q stage (q_stage.cuh: a TMA load of the fp16/bf16 tile, quantized by
+  // the producer warpgroup's idle warps one item ahead) for every item of a CTA but its first,
+  // instead of the consumers' prologue; the launch takes the kernel instantiation that has it.
+  // Set by the dispatch (schedule.h, use_q_stage); the codes and scales are the same bits.
+  bool q_stage;
   QuantizedKV kv;
 };
 

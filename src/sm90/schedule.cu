@@ -35,6 +35,8 @@ constexpr int kMinWaves = 4;
 
 std::atomic<int> g_items_override{0};
 std::atomic<WorkOrderOverride> g_order_override{WorkOrderOverride::automatic};
+std::atomic<QStageOverride> g_q_stage_override{QStageOverride::automatic};
+std::atomic<int64_t> g_q_stage_launches{0};
 
 // SAGE_SM90_CTA_TILES (tuning experiments) replaces both defaults.
 int cta_tiles_target(bool causal) {
@@ -106,5 +108,46 @@ bool use_grouped_order(const AttentionParams& p, int head_dim, int v_bytes) {
 }
 
 void set_work_order_override(WorkOrderOverride order) { g_order_override.store(order); }
+
+// The stage saves each chained item its Q prologue, a fixed cost, while the staged kernel runs
+// its K/V tiles 1-2% slower (h200_v23_ab_2026-11-24.md, section 3: d = 128, N = 4K, two items of
+// 32 tiles per CTA, -1.0% kernel; d = 64, N = 2K / 4K, -0.6% / -2.3%). So it is taken for short
+// items only: at most 16 K/V tiles per average item at d = 128 (N = 1K / 2K: +7.0% / +2.7%
+// kernel, causal +6.9% / +3.2%) and 8 at d = 64 (N = 1K: +3.1%).
+constexpr int kQStageMaxItemTiles128 = 16;
+constexpr int kQStageMaxItemTiles64 = 8;
+
+bool use_q_stage(const AttentionParams& p, bool capable, int head_dim) {
+  const int kv_tiles = (p.n_kv + kBlockKV - 1) / kBlockKV;
+  const int per_item = p.causal ? (kv_tiles + 1) / 2 : kv_tiles;
+  const bool short_items =
+      per_item <= (head_dim <= 64 ? kQStageMaxItemTiles64 : kQStageMaxItemTiles128);
+  // One item per CTA leaves the stage nothing to do (it starts at a CTA's second item).
+  const bool possible = capable && p.items_per_cta > 1 && p.q_scale == nullptr && !p.smooth_q &&
+                        (p.q_granularity == Granularity::per_thread ||
+                         p.q_granularity == Granularity::per_token) &&
+                        !(p.lse != nullptr && p.smooth_k) && q_tma_compatible(p);
+  if (!possible) return false;
+  switch (g_q_stage_override.load()) {
+    case QStageOverride::off: return false;
+    case QStageOverride::on: return true;
+    case QStageOverride::automatic: break;
+  }
+  // SAGE_SM90_Q_STAGE: 0 never, 2 wherever possible (A/B runs), else the rule above.
+  static const int mode = [] {
+    const char* env = std::getenv("SAGE_SM90_Q_STAGE");
+    return env == nullptr ? 1 : std::atoi(env);
+  }();
+  return mode == 2 || (mode != 0 && short_items);
+}
+
+bool take_q_stage(const AttentionParams& p, bool capable, int head_dim) {
+  const bool take = use_q_stage(p, capable, head_dim);
+  if (take) g_q_stage_launches.fetch_add(1, std::memory_order_relaxed);
+  return take;
+}
+
+void set_q_stage_override(QStageOverride mode) { g_q_stage_override.store(mode); }
+int64_t q_stage_launches() { return g_q_stage_launches.load(); }
 
 }  // namespace sage::sm90

@@ -45,7 +45,18 @@ CUtensorMap encode_2d_u8(void* base, uint64_t inner, uint64_t outer, uint32_t bo
   return map;
 }
 
+// The stride of a dimension of extent 1 is never applied; TMA still wants a multiple of 16.
+uint64_t q_stride_bytes(int64_t stride, int extent) {
+  return extent > 1 ? uint64_t(stride) * 2 : 16;
+}
+
 }  // namespace
+
+bool q_tma_compatible(const AttentionParams& p) {
+  auto ok = [](int64_t stride, int extent) { return extent <= 1 || (stride > 0 && stride % 8 == 0); };
+  return reinterpret_cast<uintptr_t>(p.q) % 16 == 0 && ok(p.q_stride_n, p.n_q) &&
+         ok(p.q_stride_h, p.heads_q) && ok(p.q_stride_b, p.batch);
+}
 
 AttentionMaps make_attention_maps(const AttentionParams& p, int head_dim, int v_bytes) {
   const uint64_t kv_heads = uint64_t(p.batch) * p.heads_kv;
@@ -56,6 +67,22 @@ AttentionMaps make_attention_maps(const AttentionParams& p, int head_dim, int v_
   // tokens, or 64 fp16 ones: the kernel loads two boxes per fp16 tile).
   m.v = encode_2d_u8(p.kv.vt, uint64_t(p.n_pad) * v_bytes, kv_heads * head_dim, 128, head_dim,
                      CU_TENSOR_MAP_SWIZZLE_128B);
+  m.q = CUtensorMap{};
+  if (p.q_stage) {
+    const cuuint64_t dims[4] = {uint64_t(head_dim), uint64_t(p.n_q), uint64_t(p.heads_q),
+                                uint64_t(p.batch)};
+    const cuuint64_t strides[3] = {q_stride_bytes(p.q_stride_n, p.n_q),
+                                   q_stride_bytes(p.q_stride_h, p.heads_q),
+                                   q_stride_bytes(p.q_stride_b, p.batch)};
+    const cuuint32_t box[4] = {64, uint32_t(tile_config(head_dim).block_q), 1, 1};
+    const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+    const CUresult r = encode_fn()(&m.q, CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(p.q),
+                                   dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                   CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+      throw CudaError("cuTensorMapEncodeTiled (Q) failed with CUresult " + std::to_string(int(r)));
+  }
   return m;
 }
 

@@ -269,6 +269,59 @@ TEST(Sm90Attention, ChainedWorkItemsPerCta) {
 #endif
 }
 
+// The Q stage (sm90/q_stage.cuh) against the consumers' prologue (q_operand.cuh): the same
+// codes and scales by construction, so every output bit must agree. The stage takes a CTA's
+// items after its first, one item ahead in two buffers, so items are chained (2 and 3 per
+// CTA: one buffer, then both reused); the
+// shapes give partial last Q tiles (rows past n_q arrive from TMA as zeros), d = 64 (192-row
+// tiles, three consumer warpgroups) and 128, fp16 and bf16, HND and NHD, for every GPU preset
+// (those without the stage must simply agree with themselves). The launches that took the stage are
+// counted, so the comparison cannot pass with the stage never taken.
+TEST(Sm90Attention, QStageMatchesConsumerPrologue) {
+  SAGE_REQUIRE_GPU();
+#ifdef SAGE_WITH_CUDA
+  struct PinnedQStage {
+    explicit PinnedQStage(sm90::QStageOverride mode) { sm90::set_q_stage_override(mode); }
+    ~PinnedQStage() { sm90::set_q_stage_override(sm90::QStageOverride::automatic); }
+  };
+  std::vector<GpuCase> shapes;
+  {
+    GpuCase c;
+    c.n_q = c.n_kv = 1000, c.causal = true, c.heads_q = 4, c.heads_kv = 2, c.batch = 2;
+    c.with_lse = false;
+    shapes.push_back(c);
+    c = GpuCase{};
+    c.n_q = 700, c.n_kv = 300, c.head_dim = 64, c.dtype = DType::bf16, c.layout = Layout::NHD;
+    c.heads_q = 3, c.heads_kv = 1, c.with_lse = false;
+    shapes.push_back(c);
+    c = GpuCase{};
+    c.n_q = 130, c.n_kv = 1100, c.head_dim = 64, c.batch = 3, c.with_lse = false;
+    shapes.push_back(c);
+  }
+  const int64_t staged_before = sm90::q_stage_launches();
+  for (const Variant& v : variants()) {
+    for (GpuCase c : shapes) {
+      c.recipe = v.recipe, c.v_per_channel = v.v_per_channel;
+      for (int items : {2, 3}) {
+        PinnedWorkItems pinned(items);
+        GpuResult prologue, stage;
+        {
+          PinnedQStage off(sm90::QStageOverride::off);
+          prologue = run_gpu_case(c, false);
+        }
+        {
+          PinnedQStage on(sm90::QStageOverride::on);
+          stage = run_gpu_case(c, false);
+        }
+        EXPECT_EQ(stage.out_bits, prologue.out_bits) << c.describe() << ", " << items << " items per CTA";
+      }
+    }
+  }
+  // sage2_8b (per-thread Q groups) takes the stage on all 3 shapes x 2 item counts at least.
+  EXPECT_GE(sm90::q_stage_launches() - staged_before, 6);
+#endif
+}
+
 // A seeded sweep over recipes, shapes, strides, GQA ratios, causal, dtype and distributions.
 TEST(Sm90Attention, RandomizedAgainstSimulator) {
   SAGE_REQUIRE_GPU();
