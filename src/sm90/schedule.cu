@@ -38,6 +38,12 @@ std::atomic<WorkOrderOverride> g_order_override{WorkOrderOverride::automatic};
 std::atomic<QStageOverride> g_q_stage_override{QStageOverride::automatic};
 std::atomic<int64_t> g_q_stage_launches{0};
 
+// K/V tiles of an average work item: all of them, or about half under a causal mask.
+int average_item_tiles(const AttentionParams& p) {
+  const int kv_tiles = (p.n_kv + kBlockKV - 1) / kBlockKV;
+  return std::max(1, p.causal ? (kv_tiles + 1) / 2 : kv_tiles);
+}
+
 // SAGE_SM90_CTA_TILES (tuning experiments) replaces both defaults.
 int cta_tiles_target(bool causal) {
   static const int forced = [] {
@@ -77,9 +83,7 @@ int items_per_cta(const AttentionParams& p) {
   const int target = cta_tiles_target(p.causal);
   if (target == 0) return 1;
   const int64_t items = int64_t(p.n_q_tiles) * p.heads_q * p.batch;
-  // K/V tiles of an average item: all of them, or about half under a causal mask.
-  const int kv_tiles = (p.n_kv + kBlockKV - 1) / kBlockKV;
-  const int per_item = std::max(1, p.causal ? (kv_tiles + 1) / 2 : kv_tiles);
+  const int per_item = average_item_tiles(p);
   const int64_t by_tiles = std::max(1, target / per_item);
   const int64_t by_waves = std::max<int64_t>(1, items / (int64_t(kMinWaves) * sm_count()));
   return int(std::min(by_tiles, by_waves));
@@ -118,10 +122,8 @@ constexpr int kQStageMaxItemTiles128 = 16;
 constexpr int kQStageMaxItemTiles64 = 8;
 
 bool use_q_stage(const AttentionParams& p, bool capable, int head_dim) {
-  const int kv_tiles = (p.n_kv + kBlockKV - 1) / kBlockKV;
-  const int per_item = p.causal ? (kv_tiles + 1) / 2 : kv_tiles;
   const bool short_items =
-      per_item <= (head_dim <= 64 ? kQStageMaxItemTiles64 : kQStageMaxItemTiles128);
+      average_item_tiles(p) <= (head_dim <= 64 ? kQStageMaxItemTiles64 : kQStageMaxItemTiles128);
   // One item per CTA leaves the stage nothing to do (it starts at a CTA's second item).
   const bool possible = capable && p.items_per_cta > 1 && p.q_scale == nullptr && !p.smooth_q &&
                         (p.q_granularity == Granularity::per_thread ||
