@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizers, Python package, benchmark.
-# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [timingmodes] [profile] [ab] [knobs]
+# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [timingmodes] [profile] [ab] [knobs] [trace]
 # Results land in $OUT (at most 8 files come back): logs, JSON and Markdown.
 # recipes (not a default stage; needs the python stage's package): every preset's whole-call
 # speed at d 64/128, N 1K/4K/16K, non-causal fp16 -> $OUT/h100_recipes.json, the file
@@ -139,23 +139,50 @@ if has knobs; then
   # "base=;spin=-DSAGE_SM90_PRODUCER_SLEEP=0"), each built with only sage2_8b's kernels
   # (SAGE_KERNEL_VARIANTS), then `sage bench --split` of all alternated twice in one run.
   log "knob A/B: ${KNOBS:-}"
+  # Builds run side by side (16 cores); lines go to $OUT/knobs.txt as they come.
   IFS=';' read -r -a knobs <<< "${KNOBS:-base=}"
   for kv in "${knobs[@]}"; do
     name=${kv%%=*}; flags=${kv#*=}
-    cmake -S . -B build-knob-$name -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAGE_BUILD_TESTS=OFF \
+    (cmake -S . -B build-knob-$name -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAGE_BUILD_TESTS=OFF \
       -DSAGE_KERNEL_VARIANTS=e4m3_two_level:per_tile:0 -DCMAKE_CUDA_FLAGS="$flags" \
-      > "$OUT/knob_build.log" 2>&1 && ninja -C build-knob-$name -j16 sage_cli >> "$OUT/knob_build.log" 2>&1 ||
-      { tail -30 "$OUT/knob_build.log"; exit 1; }
+      > "$OUT/knob_build_$name.log" 2>&1 && ninja -C build-knob-$name -j8 sage_cli >> "$OUT/knob_build_$name.log" 2>&1) &
+  done
+  wait
+  for kv in "${knobs[@]}"; do
+    name=${kv%%=*}
+    [ -x build-knob-$name/cli/sage ] || { tail -30 "$OUT/knob_build_$name.log"; exit 1; }
   done
   for round in 1 2; do
     for kv in "${knobs[@]}"; do
       name=${kv%%=*}
-      echo "-- $name (round $round)"
+      echo "-- $name (round $round)" | tee -a "$OUT/knobs.txt"
       timeout 150 build-knob-$name/cli/sage bench --recipe ${AB_RECIPE:-sage2_8b} --d 64,128 \
         --n ${AB_N:-1024,4096,16384} --causal ${AB_CAUSAL:-no} --iters 20 --split 2>&1 |
-        grep -E "^sage2|^ *recipe|^[a-z0-9_]+ +fp16" | tail -7
+        grep -E "^sage2|^ *recipe|^[a-z0-9_]+ +fp16" | tee -a "$OUT/knobs.txt" | tail -9
     done
   done
+fi
+if has trace; then
+  # The attention kernel's timeline (src/sm90/trace.cuh): a -DSAGE_SM90_TRACE=1 build of the
+  # sage2_8b kernels, one `sage bench` per point with the last launch's events written out, and
+  # bench/trace_report.py's table of stage times -> $OUT/trace.md (the raw files in
+  # $OUT/traces.tar.gz). TRACE_POINTS: "d n causal;..."; TRACE_ENV: variables for every run
+  # (e.g. SAGE_SM90_Q_STAGE=0).
+  log "trace: ${TRACE_POINTS:-128 1024 no;128 4096 no;128 16384 no}"
+  cmake -S . -B build-trace -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAGE_BUILD_TESTS=OFF \
+    -DSAGE_KERNEL_VARIANTS=e4m3_two_level:per_tile:0 -DCMAKE_CUDA_FLAGS="-DSAGE_SM90_TRACE=1 ${CUDA_FLAGS:-}" \
+    > "$OUT/trace_build.log" 2>&1 && ninja -C build-trace -j16 sage_cli >> "$OUT/trace_build.log" 2>&1 ||
+    { tail -30 "$OUT/trace_build.log"; exit 1; }
+  IFS=';' read -r -a points <<< "${TRACE_POINTS:-128 1024 no;128 4096 no;128 16384 no}"
+  mkdir -p build-trace/traces
+  for point in "${points[@]}"; do
+    set -- $point
+    f=build-trace/traces/d$1_n$2_causal_$3.bin
+    env ${TRACE_ENV:-} SAGE_TRACE_OUT=$f timeout 120 build-trace/cli/sage bench --recipe sage2_8b \
+      --d $1 --n $2 --causal $3 --warmup 1 --iters 3 > /dev/null 2>&1
+    python3 bench/trace_report.py $f | tee -a "$OUT/trace.md"
+  done
+  tar -czf "$OUT/traces.tar.gz" -C build-trace traces
 fi
 if has profile; then
   # Nsight Compute on one whole call of sage2_8b (the K/V pre-pass kernels and the attention

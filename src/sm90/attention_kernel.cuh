@@ -25,6 +25,7 @@
 #include "sm90/q_operand.cuh"
 #include "sm90/q_stage.cuh"
 #include "sm90/softmax.cuh"
+#include "sm90/trace.cuh"
 #include "sm90/work_order.h"
 #include "sm90/wgmma_ops.cuh"
 
@@ -210,6 +211,7 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
   // do (-2% to -7% kernel where CTAs run one or two items, h200_v23_ab_2026-11-24.md).
   auto run_q_stage = [&] {
     const int stage_thread = threadIdx.x - 32;
+    trace::Recorder trace_event(4, stage_thread == 0);
     if (stage_thread == 0) prefetch_tma_descriptor(&tma_q);
     const int step = item_step(p.n_q_tiles, p.grouped_order);
     int k = 1;
@@ -221,12 +223,14 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
       // three warps re-issuing try_wait meanwhile would take issue slots from the consumers.
       mbar_wait_sleeping(&s.q_raw_full, (k - 1) & 1);
       if (k >= 2) mbar_wait_sleeping(&s.q_empty[buf], ((k >> 1) - 1) & 1);
+      trace_event(trace::stage_begin);
       Stage::quantize(smem_addr(s.q_raw), smem_addr(s.q[buf][0]), s.q_scale[buf],
                       p.q_granularity == Granularity::per_token, float(p.q_max), stage_thread);
       // The codes are read by the MMA through the async proxy.
       fence_proxy_async();
       named_barrier_sync(NamedBarrier::q_stage, Stage::kThreads);
       if (stage_thread == 0) mbar_arrive(&s.q_full[buf]);
+      trace_event(trace::stage_end);
     }
   };
 
@@ -234,6 +238,7 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
     // ---- producer ------------------------------------------------------------------------
     if constexpr (kReallocateRegisters) setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == 0) {
+      trace::Recorder trace_event(0, true);
       prefetch_tma_descriptor(&tma_k);
       prefetch_tma_descriptor(&tma_v);
       constexpr uint32_t kStageBytes = (1 + PV::kVBytes) * kBlockKV * D;
@@ -258,6 +263,7 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
           for (int box = 0; box < kVBoxes; ++box)
             tma_load_2d(s.v[stage] + box * D * 128, &tma_v, &s.full[stage],
                         (it * kVBoxes + box) * 128, v_row0);
+          trace_event(trace::kv_issued);
         }
       }
     } else if (threadIdx.x >= 32) {
@@ -286,6 +292,7 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
   constexpr uint32_t kKStageDesc = sizeof(s.k[0]) / 16, kVStageDesc = sizeof(s.v[0]) / 16;
   const bool q_staged = kQStage && p.q_stage;  // items after the first come from the stage
   int item_index = 0;  // of this CTA's items: the Q buffer and the stage's barrier phases
+  trace::Recorder trace_event(warpgroup, threadIdx.x % 128 == 0);
   for (int w = mine.begin; w < mine.end;
        w += item_step(p.n_q_tiles, p.grouped_order), ++item_index) {
     // The thread's coordinates, recomputed per item from an opaque copy of its index: left
@@ -298,6 +305,7 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
     const int warp = (tid / 32) % 4;     // warp inside the warpgroup
     const int lane = tid % 32;
     const int g = frag::group_of_lane(lane), t = frag::quad_of_lane(lane);
+    trace_event(trace::item_begin);
     const WorkItem item = work_item(p, w);
     const int h = item.h, b = item.b, hk = h / group_size;
     const int q0 = item.q_tile * kBlockQ;
@@ -343,6 +351,7 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
                lane, 4 * cw + warp, s.reduce, &s.q_sum[0][0], s.q_mean[cw], s.q[qbuf][cw],
                want_lse && p.smooth_k);
     }
+    trace_event(trace::q_ready);
     // The next item's Q rows into L2 (one 128-byte line per consumer thread, 2 per row at most),
     // so that its load in the next prologue does not wait for DRAM.
     if (const int w_next = w + item_step(p.n_q_tiles, p.grouped_order); !q_staged && w_next < mine.end) {
@@ -546,6 +555,7 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
     }
     if (kOverlapPV && n_tiles > 0) {
       mbar_wait(&s.full[ring.stage], ring.phase);
+      trace_event(trace::kv_full);
       begin_turn();
       issue_qk(ring.stage);
       const float ks_tile = ks_next;
@@ -554,15 +564,19 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
       end_turn(false);
       wgmma_wait<0>();
       reg_fence(sacc);
+      trace_event(trace::s_ready);
       float sc[kBlockKV / 2], p_sum[2];
       tile_to_p(0, ks_tile, sc, alpha_pending, p_sum);
+      trace_event(trace::softmax_done);
       pack_p(sc, alpha_pending, p_sum);
+      trace_event(trace::tile_done);
     }
     for (int it = 1; kOverlapPV && it < n_tiles; ++it) {
       const int prev = ring.stage;
       ring.advance();
       const int stage = ring.stage;
       mbar_wait(&s.full[stage], ring.phase);
+      trace_event(trace::kv_full);
       begin_turn();
       issue_qk(stage);  // commit group: S of tile it
       const float ks_tile = ks_next;
@@ -573,13 +587,17 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
       end_turn(false);
       wgmma_wait<1>();  // S is ready; the PV MMA may still run
       reg_fence(sacc);
+      trace_event(trace::s_ready);
       float sc[kBlockKV / 2], alpha[2], p_sum[2];
       tile_to_p(it, ks_tile, sc, alpha, p_sum);
+      trace_event(trace::softmax_done);
       wgmma_wait<0>();
+      trace_event(trace::pv_done);
       PV::fold(o, pv_acc, pa, alpha_pending);
       if (lane == 0) mbar_arrive(&s.empty[prev]);  // tile it - 1's K and V are read
       pack_p(sc, alpha, p_sum);
       alpha_pending[0] = alpha[0], alpha_pending[1] = alpha[1];
+      trace_event(trace::tile_done);
     }
     if (kOverlapPV && n_tiles > 0) {
       const int last = ring.stage;
@@ -588,12 +606,14 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
       issue_pv(last);
       end_turn(true);
       wgmma_wait<0>();
+      trace_event(trace::pv_done);
       PV::fold(o, pv_acc, pa, alpha_pending);
       // The last stage goes back to the producer too: with chained items it refills it.
       if (lane == 0) mbar_arrive(&s.empty[last]);
     }
 
     // ---- epilogue: normalize, undo the V scale, add back the V mean, store -----------------
+    trace_event(trace::epilogue_begin);
     // One reciprocal per row rather than an IEEE division per element (docs/numerics.md, GPU
     // vs simulator).
     float l[2], inv_l[2];
@@ -612,6 +632,7 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
     // The buffer (Q codes and this warp's staging) goes back to the stage (the epilogue
     // ended with __syncwarp: every lane's staging reads are done).
     if (q_staged && lane == 0) mbar_arrive(&s.q_empty[qbuf]);
+    trace_event(trace::epilogue_end);
     if (want_lse && t == 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {

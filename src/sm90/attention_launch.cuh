@@ -5,6 +5,8 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <mutex>
 
 #include "sm90/attention_kernel.cuh"
@@ -12,6 +14,33 @@
 #include "sm90/work_order.h"
 
 namespace sage::sm90 {
+
+#if SAGE_SM90_TRACE
+// Measurement builds (trace.cuh): after every launch, the timeline of its recorded CTAs into
+// the file SAGE_TRACE_OUT names (the last launch's stays), then cleared for the next launch.
+// Layout: six int32 (magic 0x53414745, D, the grid's CTAs, recorded CTAs, roles, events per
+// role), then the events.
+inline void write_trace(int d, unsigned grid_ctas, cudaStream_t stream) {
+  const char* path = std::getenv("SAGE_TRACE_OUT");
+  if (!path) return;
+  static unsigned long long host[trace::kCtas][trace::kRoles][trace::kEvents];
+  void* device = nullptr;
+  cudaError_t e = cudaStreamSynchronize(stream);
+  if (e == cudaSuccess) e = cudaMemcpyFromSymbol(host, trace::g_events, sizeof(host));
+  if (e == cudaSuccess) e = cudaGetSymbolAddress(&device, trace::g_events);
+  if (e == cudaSuccess) e = cudaMemset(device, 0, sizeof(host));
+  if (e != cudaSuccess) throw_cuda("SAGE_TRACE_OUT: reading the trace", e);
+  FILE* f = std::fopen(path, "wb");
+  if (!f) {
+    std::fprintf(stderr, "SAGE_TRACE_OUT: cannot write %s\n", path);
+    return;
+  }
+  const int header[6] = {0x53414745, d, int(grid_ctas), trace::kCtas, trace::kRoles, trace::kEvents};
+  std::fwrite(header, sizeof(header), 1, f);
+  std::fwrite(host, sizeof(host), 1, f);
+  std::fclose(f);
+}
+#endif
 
 template <int D, class T, PVPath Path, KScales KS, bool SmoothQ, bool QStage>
 void launch_attention_kernel(const AttentionParams& p, const AttentionMaps& maps, cudaStream_t stream) {
@@ -26,6 +55,9 @@ void launch_attention_kernel(const AttentionParams& p, const AttentionMaps& maps
   if (attribute_error != cudaSuccess) throw_cuda("cudaFuncSetAttribute(attention)", attribute_error);
   const dim3 grid(unsigned(cta_count(p.n_q_tiles, p.heads_q * p.batch, p.items_per_cta, p.grouped_order)));
   kernel<<<grid, CtaShape<D>::kThreads, smem, stream>>>(maps.k, maps.v, maps.q, p);
+#if SAGE_SM90_TRACE
+  write_trace(D, grid.x, stream);
+#endif
 }
 
 // p.q_stage picks the instantiation with the Q stage (the dispatch sets it only where
