@@ -87,6 +87,7 @@ def report(path, mhz, sms):
                                      "later items")
     groups = {first_wave: defaultdict(list), later_wave: defaultdict(list), later: defaultdict(list)}
     tiles = defaultdict(list)
+    skipped = 0  # items whose events are incomplete: said below, not dropped silently
     for c in range(ctas):
         for r in range(1, roles - 1):
             items = split_items(table[c, r])
@@ -95,7 +96,8 @@ def report(path, mhz, sms):
                 try:
                     st, n = item_stages(item, nxt)
                 except (IndexError, ZeroDivisionError):
-                    continue  # an item cut off by the buffer's end, or no K/V tile
+                    skipped += 1  # cut off by the buffer's end, or no K/V tile (causal)
+                    continue
                 key = later if k else (first_wave if c * stride < sms else later_wave)
                 for name, v in st.items():
                     groups[key][name].append(v)
@@ -133,6 +135,8 @@ def report(path, mhz, sms):
               f" cycles over {len(lead)} tiles")
     if stage:
         print(f"Q stage: mean {sum(stage) / len(stage):.0f} cycles per tile quantized ({len(stage)} tiles)")
+    if skipped:
+        print(f"{skipped} item(s) left out: incomplete events (the buffer's end, or no K/V tile)")
     print()
 
 

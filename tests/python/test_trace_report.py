@@ -50,15 +50,17 @@ def test_stage_times_of_a_synthetic_timeline(tmp_path, capsys):
     for c in range(2):
         for r in (1, 2):  # two consumer warpgroups
             first, t = consumer_item(1000, 4, q=3000)
-            second, _ = consumer_item(t + 20, 4)
-            roles_events[c, r] = first + second
+            second, t = consumer_item(t + 20, 4)
+            # A third item cut off after its first K/V tile (the buffer's end).
+            third, _ = consumer_item(t + 20, 4)
+            roles_events[c, r] = first + second + third[:4]
     path = tmp_path / "trace.bin"
     write_trace(path, roles_events)
 
     d, grid, ctas, roles, table = trace_report.read_trace(path)
     assert (d, grid, ctas, roles) == (128, 16, 2, 5)
     items = trace_report.split_items(table[0, 1])
-    assert len(items) == 2
+    assert len(items) == 3
     st, n = trace_report.item_stages(items[1], None)
     assert n == 4
     assert st["Q ready"] == 100
@@ -69,6 +71,12 @@ def test_stage_times_of_a_synthetic_timeline(tmp_path, capsys):
     assert st["last PV wait"] == 50 and st["last fold"] == 30 and st["epilogue"] == 400
     assert st["item total"] == 100 + 4 * 1000 + 480
     st0, _ = trace_report.item_stages(items[0], items[1][0][0])
+    try:
+        trace_report.item_stages(items[2], None)
+    except IndexError:
+        pass
+    else:
+        raise AssertionError("a cut-off item gave stage times")
     assert st0["Q ready"] == 3000 and st0["to next item"] == 20
 
     # The report: CTA 1 of a 16-CTA grid is CTA 8, a later wave with --sms 4.
@@ -77,6 +85,7 @@ def test_stage_times_of_a_synthetic_timeline(tmp_path, capsys):
     assert "first item, first-wave CTAs (2 items, 4 tiles)" in out
     assert "first item, later CTAs (2 items, 4 tiles)" in out
     assert "| Q ready | 3000 | 3000 | 100 |" in out
+    assert "4 item(s) left out: incomplete events" in out
 
 
 def test_rejects_a_file_that_is_not_a_trace(tmp_path):
