@@ -59,6 +59,39 @@ inline bool integer_row_max(const Recipe& r) {
 // integer add on the GPU, no conversion).
 constexpr int32_t kIntRowMaxBias = int32_t{1} << 24;
 
+// P's scale in the exponent (docs/numerics.md, step 6, "P's scale in the exponent"): on the
+// two-level E4M3 path (sage2_8b's), the integer row max yields P~ * p_scale straight from
+// exp2, with k = log2(p_scale) added to the exponent rather than a multiply per score. The
+// other integer row max recipes keep the multiply: SageAttention2++'s fp16x2 path lost up to
+// 10% at d = 64 with the add (docs/performance.md v25); fp16 and INT8 P were not measured.
+inline bool p_scale_in_exponent(const Recipe& r) {
+  return integer_row_max(r) && r.pv_format == PVFormat::e4m3 && r.pv_accum == PVAccum::two_level;
+}
+// Where it is (p_scale_fold(p_scale, head_dim)), a thread group whose multiplier is below
+// mult_limit adds k to its offset once per tile (c' = fl(c + k)); any other adds it to each
+// exponent. mult_limit = 2^tz(k) for p_scale = 2^k, k >= 1 an integer (8 for sage2_8b's
+// 256): there c + k is exact for the group holding the row max (c = -2^24 mult, a multiple
+// of ulp(c) <= 2^tz(k), from mult >= k 2^-24 up), so its max key keeps P~ = 1 exactly. +inf for
+// k = 0 (fp16 P: adding 0), 0 (never) for a p_scale that is no power of two (k rounded) and
+// below head dim 128: there the consumer warps have 128 registers, and the fold's extra live
+// values made ptxas spill (-5% to -14% kernel time at d = 64, docs/performance.md v25).
+struct PScaleFold {
+  float k = 0.f;           // log2(p_scale) as a float (exact for a power of two)
+  float mult_limit = 0.f;  // a group folds k into its offset iff mult < mult_limit
+};
+constexpr int kPScaleFoldMinHeadDim = 128;
+inline PScaleFold p_scale_fold(float p_scale, int head_dim) {
+  int e = 0;
+  if (!(p_scale >= 1.f) || std::frexp(p_scale, &e) != 0.5f || head_dim < kPScaleFoldMinHeadDim)
+    return {std::log2(p_scale), 0.f};
+  const int k = e - 1;
+  if (k == 0) return {0.f, INFINITY};
+  int tz = 0;
+  while (((k >> tz) & 1) == 0) ++tz;
+  return {static_cast<float>(k), std::ldexp(1.f, tz)};
+}
+SAGE_HD bool p_scale_folds(float mult, float mult_limit) { return mult < mult_limit; }
+
 // The largest value of a P/V format: what a static scale maps a maximum to.
 inline float pv_format_max(PVFormat f) {
   switch (f) {
@@ -71,9 +104,14 @@ inline float pv_format_max(PVFormat f) {
   }
   return 0.f;
 }
+// The static P scale a recipe gets without p_range: the format max, except E4M3's 256 (not
+// the paper's 448). A power of two quantizes P~ on the same relative grid as 448 (equally
+// accurate on the simulator: docs/performance.md, next steps 4) and, with the integer row max,
+// enters the exponent exactly (p_scale_fold: no multiply per score).
+inline float p_default_max(PVFormat f) { return f == PVFormat::e4m3 ? 256.f : pv_format_max(f); }
 // Static P scaling (the softmax numerator P~ is in [0, 1]): P~ * p_static_max is quantized;
-// the recipe's narrowed p_range (SageAttention2++) when set, else the format max.
-inline float p_static_max(const Recipe& r) { return r.p_range > 0.f ? r.p_range : pv_format_max(r.pv_format); }
+// the recipe's narrowed p_range (SageAttention2++) when set, else the format's default.
+inline float p_static_max(const Recipe& r) { return r.p_range > 0.f ? r.p_range : p_default_max(r.pv_format); }
 // V per-channel / per-tensor scaling maps max|V'_c| to v_range when set, else the format max.
 inline float v_static_max(const Recipe& r) { return r.v_range > 0.f ? r.v_range : pv_format_max(r.pv_format); }
 

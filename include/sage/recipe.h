@@ -47,7 +47,7 @@ enum class PVFormat : uint8_t {
 // How P is scaled before it is quantized.
 enum class PScale : uint8_t {
   none,       // fp16 P
-  static_max, // P~ in [0,1] times a static factor: the format max (or p_range when set)
+  static_max, // P~ in [0,1] times a static factor: p_range when set, else the format max (E4M3: 256)
   two_level,  // SageAttention3: per-row scale to 448*6 first, then microscaling
 };
 
@@ -88,7 +88,7 @@ struct Recipe {
   PScale p_scale = PScale::static_max;
   VScale v_scale = VScale::per_channel;
   PVAccum pv_accum = PVAccum::two_level;
-  float p_range = 0.f;  // static_max: P~ is scaled to [0, p_range] (0: the format max)
+  float p_range = 0.f;  // static_max: P~ is scaled to [0, p_range] (0: the format max; E4M3 256)
   float v_range = 0.f;  // per_channel/per_tensor V scaled to [-v_range, v_range] (0: format max)
   RowSum row_sum = RowSum::float_p;
   Inputs inputs = Inputs::floating;

@@ -86,6 +86,11 @@ std::string gpu_variant(const Recipe& r, KernelVariant& v) {
   if (kernel_integer_max != rules::integer_row_max(r))
     throw std::logic_error("sage: internal error: the sm_90 kernel's row max path for recipe '" +
                            r.name + "' disagrees with rules::integer_row_max");
+  // The same for P's scale in the exponent (attention_kernel.cuh, kPScaleMode).
+  const bool kernel_p_in_exponent = kernel_integer_max && v.path == sm90::PVPath::e4m3_two_level;
+  if (kernel_p_in_exponent != rules::p_scale_in_exponent(r))
+    throw std::logic_error("sage: internal error: the sm_90 kernel's P scale for recipe '" +
+                           r.name + "' disagrees with rules::p_scale_in_exponent");
   return {};
 }
 
@@ -245,6 +250,8 @@ void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVar
   ap.sm_scale = pr.sm_scale;
   ap.sm_scale_log2 = rules::sm_scale_log2(pr.sm_scale);
   ap.p_max = p_format_max(r);
+  const rules::PScaleFold fold = rules::p_scale_fold(ap.p_max, D);  // read where in the exponent
+  ap.p_fold_k = fold.k, ap.p_fold_mult_limit = fold.mult_limit;
   ap.q_granularity = r.qk_granularity;
   ap.q_max = qk_format_max(r);
   ap.causal = args.causal, ap.smooth_k = r.smooth_k, ap.smooth_v = r.smooth_v;

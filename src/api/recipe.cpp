@@ -44,8 +44,9 @@ std::vector<Recipe> build_presets() {
                    PScale::static_max, VScale::per_channel, PVAccum::fp32));
   v.push_back(make("sage1_vb", Q::int8, G::per_block, true, false, false, P::int8,
                    PScale::static_max, VScale::per_channel, PVAccum::fp32));
-  // SageAttention2: per-thread INT8 (or INT4 with Q+K smoothing), FP8 E4M3 P (1/448) and V per
-  // channel, two-level accumulation. sage2_8b is the Hopper default.
+  // SageAttention2: per-thread INT8 (or INT4 with Q+K smoothing), FP8 E4M3 P (static, 256:
+  // rules::p_default_max; the paper's 448 is p_range = 448) and V per channel, two-level
+  // accumulation. sage2_8b is the Hopper default.
   v.push_back(make("sage2_8b", Q::int8, G::per_thread, true, false, false, P::e4m3,
                    PScale::static_max, VScale::per_channel, PVAccum::two_level));
   v.push_back(make("sage2_8b_vsmooth", Q::int8, G::per_thread, true, false, true, P::e4m3,
@@ -156,7 +157,7 @@ void validate_recipe(const Recipe& r) {
   if (r.pv_accum == PVAccum::fp16 && r.pv_format != PVFormat::fp16)
     throw Error("recipe.pv_accum", "fp16 accumulation is defined for pv_format fp16 only");
   if (r.p_range < 0 || r.v_range < 0)
-    throw Error("recipe.p_range", "p_range and v_range must be >= 0 (0 means the format max)");
+    throw Error("recipe.p_range", "p_range and v_range must be >= 0 (0 means the format's default)");
   if ((r.p_range > 0 || r.v_range > 0) && !(fp8_pv || r.pv_format == PVFormat::int8))
     throw Error("recipe.p_range", "narrowed ranges apply to fp8/int8 P and V only");
   if (r.inputs == Inputs::prequantized_int8 &&

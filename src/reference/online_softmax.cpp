@@ -23,7 +23,7 @@ float softmax_enter_tile(RowState& st, const float* s2, int64_t count, float* p)
 }
 
 float softmax_enter_tile_integer_max(RowState& st, const int32_t* acc, const float* mult,
-                                     int64_t count, float* p) {
+                                     int64_t count, const rules::PScaleFold& fold, float* ps) {
   // Numbered as docs/numerics.md, step 6, "Integer row max".
   // 1. The integer max of each thread group (a GPU thread's own columns, nothing wider: the
   // groups' multipliers differ, so they meet only as floats, in 2).
@@ -55,20 +55,26 @@ float softmax_enter_tile_integer_max(RowState& st, const int32_t* acc, const flo
   // 3. The group's offset, two float subtractions (not fused): c = -2^24 mult exactly for
   // a group whose max is the row max; otherwise the rounding of c costs at most
   // 2^-24 |c| <= mult + 2^-24 |tmax - m| (docs/numerics.md).
+  // 3a. P's scale in the exponent: k joins the offset of a group below the limit.
   float c[kKThreadGroups] = {};
+  bool folded[kKThreadGroups] = {};
   for (int g = 0; g < kKThreadGroups; ++g) {
     if (!present[g]) continue;
     const float t = std::ldexp(gmult[g], 24);  // 2^24 * mult: exact
     const float gap = tmax[g] - m_new;
     c[g] = gap - t;
+    folded[g] = rules::p_scale_folds(gmult[g], fold.mult_limit);
+    if (folded[g]) c[g] += fold.k;
   }
   // 4-5. The biased integer is exact as a float ([2^23, 2^24] for d <= 256), and one
   // fused multiply-add rounds once: x = (acc - amax) * mult + (tmax - m), up to c's rounding.
+  // Any other group adds k after it (a second rounding). exp2 then gives P~ * p_scale.
   for (int64_t j = 0; j < count; ++j) {
     const int g = static_cast<int>((j % 8) / 2);
     assert(acc[j] - amax[g] >= -rules::kIntRowMaxBias);
     const float f = static_cast<float>(rules::kIntRowMaxBias + (acc[j] - amax[g]));
-    p[j] = std::exp2(std::fma(f, gmult[g], c[g]));
+    const float x = std::fma(f, gmult[g], c[g]);
+    ps[j] = std::exp2(folded[g] ? x : x + fold.k);
   }
   st.m = m_new;
   st.seen = true;

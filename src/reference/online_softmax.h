@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "sage/quant_rules.h"
+
 namespace sage::reference::sim {
 
 // Running max (base-2 logits) and denominator of one query row.
@@ -26,10 +28,13 @@ float softmax_enter_tile(RowState& st, const float* s2, int64_t count, float* p)
 // key j of the tile belongs to the GPU thread group g = (j % 8) / 2, whose keys share one
 // multiplier mult_g. Per group: amax_g = max acc, tmax_g = float(amax_g) * mult_g;
 // m_new = fmaxf(m, max_g tmax_g) (the value softmax_enter_tile gets from S2 = float(acc) *
-// mult); c_g = ((tmax_g - m_new) - 2^24 mult_g); P~_j = exp2f(fmaf(float(2^24 + acc_j -
-// amax_g), mult_g, c_g)). Returns alpha as softmax_enter_tile does. Call only with count > 0.
+// mult); c_g = ((tmax_g - m_new) - 2^24 mult_g); x_j = fmaf(float(2^24 + acc_j - amax_g),
+// mult_g, c_g). With fold = rules::p_scale_fold(p_scale) (p_scale: what P~ is quantized
+// after multiplying by), writes ps_j = P~_j * p_scale = exp2f(x_j'), where x_j' takes k in
+// c_g (c_g + k, for groups that rules::p_scale_folds(mult_g)) or adds it after (x_j + k). Returns
+// alpha as softmax_enter_tile does. Call only with count > 0.
 float softmax_enter_tile_integer_max(RowState& st, const int32_t* acc, const float* mult,
-                                     int64_t count, float* p);
+                                     int64_t count, const rules::PScaleFold& fold, float* ps);
 
 // l = l * alpha + row_sum, with row_sum the float sum of P~ (or of the quantized P).
 void softmax_add_row_sum(RowState& st, float alpha, float row_sum);

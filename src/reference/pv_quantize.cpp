@@ -102,7 +102,7 @@ VOperand prequantized_v(const float* codes, int64_t n, int64_t d, const double* 
   return op;
 }
 
-void quantize_p(const Recipe& r, const float* p, int64_t count, PTile& out) {
+void quantize_p(const Recipe& r, const float* p, int64_t count, PTile& out, const float* scaled) {
   out.values.resize(static_cast<size_t>(count));
   out.row_scale = 1.f;
   float* q = out.values.data();
@@ -140,7 +140,7 @@ void quantize_p(const Recipe& r, const float* p, int64_t count, PTile& out) {
   }
   const float pmax = rules::p_static_max(r);
   const StaticCodec codec{r.pv_format};
-  for (int64_t j = 0; j < count; ++j) q[j] = codec.decode_encode(p[j] * pmax);
+  for (int64_t j = 0; j < count; ++j) q[j] = codec.decode_encode(scaled ? scaled[j] : p[j] * pmax);
   if (r.pv_format == PVFormat::int8) {
     out.int_codes.resize(static_cast<size_t>(count));
     for (int64_t j = 0; j < count; ++j) out.int_codes[j] = static_cast<int8_t>(q[j]);

@@ -41,6 +41,9 @@ struct PTile {
 
 // Quantizes the first `count` tokens of a tile (the unmasked ones; the tile starts at a
 // multiple of the KV block, so the 16/32-token microscale groups start at token 0 here).
-void quantize_p(const Recipe& r, const float* p, int64_t count, PTile& out);
+// scaled: P~ * p_max already formed (the integer row max's exp2; static fp8 / int8 P only),
+// encoded as given instead of p * p_max.
+void quantize_p(const Recipe& r, const float* p, int64_t count, PTile& out,
+                const float* scaled = nullptr);
 
 }  // namespace sage::reference::sim

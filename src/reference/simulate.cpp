@@ -95,6 +95,11 @@ void simulate(const AttentionArgs& args) {
   const bool static_p = r.p_scale == PScale::static_max && r.pv_format != PVFormat::nvfp4 &&
                         r.pv_format != PVFormat::mxfp4;
   const float pmax = static_p ? rules::p_static_max(r) : 1.f;
+  // The integer row max's exp2 yields P~ * exp_scale: pmax where P's scale is in the
+  // exponent, else 1 (P~, multiplied by pmax when quantized).
+  const bool p_in_exponent = rules::p_scale_in_exponent(r);
+  const float exp_scale = p_in_exponent ? pmax : 1.f;
+  const rules::PScaleFold p_fold = rules::p_scale_fold(exp_scale, static_cast<int>(d));
 
   parallel_for(p.batch * p.heads_q, [&](int64_t bh) {
     const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
@@ -127,6 +132,7 @@ void simulate(const AttentionArgs& args) {
     assert(tc.block_kv % 8 == 0);  // tiles start on a thread-group boundary (tile.h)
     std::vector<int32_t> acc(int_max ? static_cast<size_t>(tc.block_kv) : 0);
     std::vector<float> mult(int_max ? static_cast<size_t>(tc.block_kv) : 0);
+    std::vector<float> ps(int_max ? static_cast<size_t>(tc.block_kv) : 0);  // P~ * exp_scale
     std::vector<float> O(static_cast<size_t>(d));
     std::vector<float> ds;  // smooth_q: the logit bias of the current Q tile, per key
     int64_t ds_tile = -1;
@@ -148,14 +154,18 @@ void simulate(const AttentionArgs& args) {
         float alpha;
         if (int_max) {  // no smooth_q here: the rule excludes it
           sim::qk_int_accumulators(qop, i, kvh.k, j0, count, sl2, acc.data(), mult.data());
-          alpha = sim::softmax_enter_tile_integer_max(st, acc.data(), mult.data(), count, pt.data());
+          alpha = sim::softmax_enter_tile_integer_max(st, acc.data(), mult.data(), count, p_fold,
+                                                      ps.data());
+          // P~ for the row sum; with P's scale in the exponent the codes come from ps itself,
+          // as on the GPU.
+          for (int64_t j = 0; j < count; ++j) pt[j] = ps[j] / exp_scale;
         } else {
           sim::qk_logits(qop, i, kvh.k, j0, count, sl2, s2.data());
           if (r.smooth_q)
             for (int64_t j = 0; j < count; ++j) s2[j] += ds[j0 + j];
           alpha = sim::softmax_enter_tile(st, s2.data(), count, pt.data());
         }
-        sim::quantize_p(r, pt.data(), count, ptile);
+        sim::quantize_p(r, pt.data(), count, ptile, p_in_exponent ? ps.data() : nullptr);
         const float row_sum = r.row_sum == RowSum::float_p ? sim::softmax_row_sum(pt.data(), count)
                                                            : ptile.dequantized_sum;
         sim::accumulate_tile(r.pv_accum, ptile, kvh.v, j0, alpha, O.data(), scratch);

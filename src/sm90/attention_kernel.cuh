@@ -434,6 +434,12 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
       return 8 * (i / 4) + i % 2 >= limit[frag::acc_row(i)];
     };
     constexpr bool kIntegerMax = KS == KScales::per_tile && !SmoothQ;
+    // P's scale in the exponent on the two-level E4M3 path (rules::p_scale_in_exponent), folded
+    // into the offsets from head dim 128 (rules::p_scale_fold).
+    constexpr PScaleMode kPScaleMode =
+        Path != PVPath::e4m3_two_level               ? PScaleMode::multiply
+        : D >= rules::kPScaleFoldMinHeadDim ? PScaleMode::fold
+                                                     : PScaleMode::add;
     // The tile's logits from its QK accumulator (per-token or per-tile K scales, Q smoothing's
     // bias), masked entries -inf.
     // ks_prefetched: this thread's per-tile K group scale when loaded ahead.
@@ -489,7 +495,8 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
           for (int i = 0; i < kBlockKV / 2; ++i)
             if (is_masked(limit, i)) sacc[i] = INT32_MIN;
         }
-        softmax.update_from_int(sacc, mult, masked, p.p_max, sc, alpha, p_sum);
+        softmax.template update_from_int<kPScaleMode>(sacc, mult, masked, p.p_max, p.p_fold_k,
+                                                      p.p_fold_mult_limit, sc, alpha, p_sum);
       } else {
         make_scores(it, ks_prefetched, sc);
         softmax.update(sc, p.p_max, alpha, p_sum);

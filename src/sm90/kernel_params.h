@@ -105,6 +105,8 @@ struct AttentionParams {
   bool grouped_order;
   float sm_scale, sm_scale_log2;
   float p_max;  // P~ is scaled by this before its conversion (448, 127, 1 for fp16, or p_range)
+  // P's scale in the integer row max's exponent: rules::p_scale_fold(p_max).
+  float p_fold_k, p_fold_mult_limit;
   Granularity q_granularity;
   int q_max;  // the largest Q code: 127 (int8) or 7 (int4 values)
   bool causal, smooth_k, smooth_v;

@@ -16,6 +16,9 @@
 
 namespace sage::sm90 {
 
+// How P's scale p_max enters P~ * p_max on the integer row max path (update_from_int).
+enum class PScaleMode { multiply, add, fold };
+
 template <int N>  // columns per tile
 struct OnlineSoftmax {
   static constexpr int kAcc = N / 2;
@@ -86,9 +89,27 @@ struct OnlineSoftmax {
   // multiplier (> 0), one for both rows: rows g and g + 8 share a Q group under every
   // granularity that comes with per-tile K scales (tile.h). p: P~ * p_max. alpha, sum: as
   // update's.
+  // P's scale (p_max), by mode (PScaleMode, chosen per PV path and head dim by the kernel;
+  // rules::p_scale_in_exponent and rules::p_scale_fold say the same for the simulator):
+  //   multiply  P~ * p_max = ex2(x) * p_max, one multiply per score (the other PV paths: in
+  //             the exponent SageAttention2++'s path lost up to 10% at d = 64, v25);
+  //   add       ex2(x + k), k = log2(p_max) (fold_k): the add where the multiply was;
+  //   fold      a thread whose multiplier is below fold_mult_limit (rules::p_scale_folds, as
+  //             the simulator decides it per thread group) adds k to its offsets once, any
+  //             other adds k to each exponent. The fold depends on mult alone, so its warp
+  //             vote runs beside the max reduction, off the softmax's chain. Four loops, all
+  //             before the exps: with the exps inside the branches ptxas issued the 64 MUFUs
+  //             in one burst and lost 10-19% (docs/performance.md v25).
+  template <PScaleMode kMode>
   __device__ __forceinline__ void update_from_int(const int32_t (&acc)[kAcc], float mult,
-                                                  bool masked_tile, float p_max, float (&p)[kAcc],
+                                                  bool masked_tile, float p_max, float fold_k,
+                                                  float fold_mult_limit, float (&p)[kAcc],
                                                   float (&alpha)[2], float (&sum)[2]) {
+    constexpr bool kFold = kMode == PScaleMode::fold;
+    const bool folds = kFold && rules::p_scale_folds(mult, fold_mult_limit);
+    const bool warp_folds = kFold && __all_sync(0xffffffffu, folds);
+    const float k_in_offset = folds ? fold_k : 0.f;  // adding 0 leaves c as it is
+    const float k_after = folds ? 0.f : fold_k;
     int32_t part[2][kChains];
 #pragma unroll
     for (int r = 0; r < 2; ++r)
@@ -111,6 +132,7 @@ struct OnlineSoftmax {
       alpha[r] = fast_exp2(m[r] - base);
       m[r] = m_new;
       c[r] = __fsub_rn(__fsub_rn(tmax, base), __fmul_rn(mult, 16777216.f));  // 2^24 mult: exact
+      if (kFold) c[r] = __fadd_rn(c[r], k_in_offset);
       // The bits of float(n) for an integer n in [2^23, 2^24] are n + 0x4A800000.
       bias[r] = uint32_t(rules::kIntRowMaxBias) + 0x4A800000u - uint32_t(amax);
     }
@@ -123,16 +145,40 @@ struct OnlineSoftmax {
       const int r = frag::acc_row(i);
       return __fmaf_rn(__uint_as_float(uint32_t(acc[i]) + bias[r]), mult, c[r]);
     };
-    if (masked_tile) {
+    if (!kFold) {
+      // multiply and add: k, or the multiply, in the exps' loop below (adding k in these
+      // branches made ptxas spill at d = 64).
+      if (masked_tile) {
 #pragma unroll
-      for (int i = 0; i < kAcc; ++i) p[i] = acc[i] == INT32_MIN ? -INFINITY : exponent(i);
+        for (int i = 0; i < kAcc; ++i) p[i] = acc[i] == INT32_MIN ? -INFINITY : exponent(i);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) p[i] = exponent(i);
+      }
+    } else if (masked_tile) {
+      if (warp_folds) {
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) p[i] = acc[i] == INT32_MIN ? -INFINITY : exponent(i);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i)
+          p[i] = acc[i] == INT32_MIN ? -INFINITY : __fadd_rn(exponent(i), k_after);
+      }
     } else {
+      if (warp_folds) {
 #pragma unroll
-      for (int i = 0; i < kAcc; ++i) p[i] = exponent(i);
+        for (int i = 0; i < kAcc; ++i) p[i] = exponent(i);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) p[i] = __fadd_rn(exponent(i), k_after);
+      }
     }
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) {
-      p[i] = __fmul_rn(fast_exp2(p[i]), p_max);
+      if constexpr (kMode == PScaleMode::multiply)
+        p[i] = __fmul_rn(fast_exp2(p[i]), p_max);
+      else
+        p[i] = fast_exp2(kMode == PScaleMode::add ? __fadd_rn(p[i], fold_k) : p[i]);
       psum[frag::acc_row(i)][chain_of(i)] += p[i];
     }
 #pragma unroll

@@ -1,7 +1,8 @@
 // The integer row max path of the simulator (rules::integer_row_max; docs/numerics.md, steps
-// 4 and 6): which recipes take it, that it is the contract's float operations exactly, how far
-// it may move P~ from the logit path's exp2f(float(acc) * mult - m), the exact zero of the row
-// max's exponent (also near the fp16 limit), partial tiles, and that simulate() uses it.
+// 4 and 6): which recipes take it, that it is the contract's float operations exactly (P's
+// scale in the exponent included), how far it may move P~ from the logit path's
+// exp2f(float(acc) * mult - m), the exact zero of the row max's exponent (also near the fp16
+// limit), partial tiles, and that simulate() uses it.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -48,6 +49,10 @@ struct Operands {
   sim::QKOperand q, k;
   float sl2 = 0.f;
   int64_t nq = 0, nkv = 0;
+  // What the path's exp2 yields P~ times: P's scale where it is in the exponent
+  // (rules::p_scale_in_exponent), else 1.
+  float p_scale = 1.f;
+  rules::PScaleFold fold;  // of p_scale
 };
 Operands quantize(const Recipe& r, std::vector<float> q, std::vector<float> k, int64_t nq,
                   int64_t nkv, int64_t d) {
@@ -62,6 +67,8 @@ Operands quantize(const Recipe& r, std::vector<float> q, std::vector<float> k, i
   x.sl2 = rules::sm_scale_log2(static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))));
   x.nq = nq;
   x.nkv = nkv;
+  x.p_scale = rules::p_scale_in_exponent(r) ? rules::p_static_max(r) : 1.f;
+  x.fold = rules::p_scale_fold(x.p_scale, static_cast<int>(d));
   return x;
 }
 
@@ -80,15 +87,39 @@ struct Tile {
   float m_old = 0.f, m_new = 0.f;    // after it: logit path, integer path
   float alpha_old = 0.f, alpha_new = 0.f;
   std::vector<int32_t> acc;
-  std::vector<float> mult, s2, p_old, p_new;
+  std::vector<float> mult, s2, p_old;
+  std::vector<float> p_new;  // P~ * p_scale (the path's output; the logit path's p_old is P~)
   bool present[kKThreadGroups] = {};
   int32_t amax[kKThreadGroups] = {};
   float gmult[kKThreadGroups] = {}, tmax[kKThreadGroups] = {}, gap[kKThreadGroups] = {},
         c[kKThreadGroups] = {};
-  std::vector<float> x_ref;     // the contract's exponent argument
+  // P's scale in the exponent: k = log2(p_scale) as a float, and whether group g took it
+  // in its offset (rules::p_scale_folds) or adds it to each exponent.
+  bool folded[kKThreadGroups] = {};
+  float k = 0.f, p_scale = 1.f;
+  std::vector<float> x_ref;     // the exponent argument before k: fl(f * mult + c)
+  std::vector<float> x_scaled;  // with k: fl(f * mult + fl(c + k)) folded, fl(x_ref + k) not
   std::vector<bool> x_by_double;  // x_ref came from the exact double sum, not from std::fma
   static int group(int64_t j) { return static_cast<int>((j % 8) / 2); }
+  // The contract's P~ * p_scale of key j.
+  float p_ref(int64_t j) const { return std::exp2(x_scaled[static_cast<size_t>(j)]); }
+  // The exponent in P~'s own units, x_scaled - log2(p_scale), in double.
+  double x_new(int64_t j) const {
+    return static_cast<double>(x_scaled[static_cast<size_t>(j)]) - std::log2(static_cast<double>(p_scale));
+  }
+  // How far the float k is from log2(p_scale) (0 for a power of two).
+  double k_error() const { return std::fabs(k - std::log2(static_cast<double>(p_scale))); }
 };
+
+// f * mult + c rounded once to float: exactly in double where that holds, else std::fma.
+// mult = M 2^(e-23) with M < 2^24; f * mult is a multiple of 2^(e-23), and so is c when
+// |c| >= 2^24 mult >= 2^(e+24) (a float; so is c + k where k is an integer that ulp(c)
+// divides). With |c| < 2^25 mult the sum is below 2^(e+27): at most 50 bits, exact in
+// double, so its one rounding to float is the fused multiply-add's.
+float fma_once(float f, float mult, float c, bool* by_double) {
+  *by_double = std::fabs(static_cast<double>(c)) < 33554432.0 * mult;
+  return *by_double ? static_cast<float>(static_cast<double>(f) * mult + c) : std::fma(f, mult, c);
+}
 
 // Visits every row (causal: bottom-right aligned) and every tile it sees, in order. Without
 // `integer_path` (a recipe the rule excludes) only the logit path runs and the *_new fields
@@ -123,7 +154,7 @@ void for_each_tile(const Operands& x, bool causal, F&& f, bool integer_path = tr
         continue;
       }
       t.alpha_new = sim::softmax_enter_tile_integer_max(st_new, t.acc.data(), t.mult.data(),
-                                                        t.count, t.p_new.data());
+                                                        t.count, x.fold, t.p_new.data());
       t.m_new = st_new.m;
       // The contract, step by step (this file is compiled with -ffp-contract=off).
       for (int64_t j = 0; j < t.count; ++j) {
@@ -141,22 +172,24 @@ void for_each_tile(const Operands& x, bool causal, F&& f, bool integer_path = tr
         t.tmax[g] = static_cast<float>(t.amax[g]) * t.gmult[g];
         t.gap[g] = t.tmax[g] - t.m_new;
         t.c[g] = t.gap[g] - t.gmult[g] * 16777216.f;  // 2^24 mult, exact
+        // Where the rule folds k into c and c <= -k, c + k is exact (checked in double).
+        t.k = x.fold.k;
+        t.p_scale = x.p_scale;
+        t.folded[g] = rules::p_scale_folds(t.gmult[g], x.fold.mult_limit);
+        if (t.folded[g] && t.c[g] <= -t.k)
+          EXPECT_EQ(static_cast<double>(t.c[g] + t.k), static_cast<double>(t.c[g]) + t.k);
       }
       t.x_ref.resize(n);
+      t.x_scaled.resize(n);
       t.x_by_double.resize(n);
       for (int64_t j = 0; j < t.count; ++j) {
         const int g = Tile::group(j);
         const float fj = static_cast<float>(16777216 + (t.acc[j] - t.amax[g]));
-        // mult = M 2^(e-23) with M < 2^24; f * mult is a multiple of 2^(e-23), and so is c
-        // (|c| >= 2^24 mult >= 2^(e+24), a float). With |c| < 2^25 mult the sum is below
-        // 2^(e+27): at most 50 bits, exact in double, so its one rounding to float is the
-        // fused multiply-add's.
-        if (std::fabs(static_cast<double>(t.c[g])) < 33554432.0 * t.gmult[g]) {
-          t.x_ref[j] = static_cast<float>(static_cast<double>(fj) * t.gmult[g] + t.c[g]);
-          t.x_by_double[j] = true;
-        } else {
-          t.x_ref[j] = std::fma(fj, t.gmult[g], t.c[g]);
-        }
+        bool by_double = false;
+        t.x_ref[j] = fma_once(fj, t.gmult[g], t.c[g], &by_double);
+        t.x_by_double[j] = by_double;
+        t.x_scaled[j] = t.folded[g] ? fma_once(fj, t.gmult[g], t.c[g] + t.k, &by_double)
+                                    : t.x_ref[j] + t.k;
       }
       f(t);
     }
@@ -166,8 +199,12 @@ void for_each_tile(const Operands& x, bool causal, F&& f, bool integer_path = tr
 // ---- the rule -------------------------------------------------------------------------------
 
 TEST(SimIntegerRowMax, RuleSelectsIntegerCodesWithPerTileScalesAndNoQSmoothing) {
-  for (const Recipe& r : presets())
+  for (const Recipe& r : presets()) {
     EXPECT_EQ(rules::integer_row_max(r), integer_max_presets().count(r.name) == 1) << r.name;
+    // P's scale in the exponent: the integer row max on the two-level E4M3 path only.
+    EXPECT_EQ(rules::p_scale_in_exponent(r), r.name == "sage2_8b" || r.name == "sage2_8b_vsmooth")
+        << r.name;
+  }
   Recipe r = preset("sage2_8b");
   for (Granularity g : {Granularity::per_tensor, Granularity::per_block, Granularity::per_warp,
                         Granularity::per_thread}) {
@@ -197,18 +234,69 @@ TEST(SimIntegerRowMax, FmaRoundsOnce) {
   EXPECT_EQ(static_cast<float>(a) * static_cast<float>(a) + static_cast<float>(c), 0.f);
 }
 
+// P's scale in the exponent (rules::p_scale_fold, p_scale_folds; docs/numerics.md step 6):
+// at head dim 128 a power-of-two scale 2^k, k >= 0, joins the offset of groups whose
+// multiplier is below 2^tz(k), where c + k is exact for the row max's group; any other scale,
+// and any scale at head dim 64, only has its (rounded) log2 added after.
+TEST(SimIntegerRowMax, PScaleInTheExponentRule) {
+  struct Case { float scale; int d; float k, mult_limit; };
+  for (const Case& e : {Case{256.f, 128, 8.f, 8.f}, Case{1.f, 128, 0.f, kInf},
+                        Case{64.f, 128, 6.f, 2.f}, Case{32768.f, 128, 15.f, 1.f},
+                        Case{448.f, 128, std::log2(448.f), 0.f}, Case{127.f, 128, std::log2(127.f), 0.f},
+                        Case{112.f, 128, std::log2(112.f), 0.f}, Case{0.5f, 128, -1.f, 0.f},
+                        Case{256.f, 64, 8.f, 0.f}, Case{1.f, 64, 0.f, 0.f}}) {
+    const rules::PScaleFold f = rules::p_scale_fold(e.scale, e.d);
+    EXPECT_EQ(f.k, e.k) << e.scale << " d " << e.d;
+    EXPECT_EQ(f.mult_limit, e.mult_limit) << e.scale << " d " << e.d;
+  }
+  const rules::PScaleFold f = rules::p_scale_fold(256.f, 128);
+  // The row max's group: c = -2^24 mult. Folded below mult = 8, and c + 8 exact from 2^-21
+  // up; above 8 (ulp(c) = 16) it would round.
+  for (float mult : {0x1p-21f, 1e-4f, 0.37f, 7.99f, std::nextafter(8.f, 0.f)}) {
+    const float c = -mult * 16777216.f;
+    ASSERT_TRUE(rules::p_scale_folds(mult, f.mult_limit)) << mult;
+    EXPECT_EQ(static_cast<double>(c + f.k), static_cast<double>(c) + f.k) << mult;
+  }
+  EXPECT_TRUE(rules::p_scale_folds(1e-9f, f.mult_limit));  // c > -8: c + 8 rounds, by < 2^-21
+  for (float mult : {8.f, 9.f, 1000.f}) EXPECT_FALSE(rules::p_scale_folds(mult, f.mult_limit)) << mult;
+  const float c9 = -9.f * 16777216.f;  // mult = 9
+  EXPECT_NE(static_cast<double>(c9 + 8.f), static_cast<double>(c9) + 8.0);
+  // Through the path: one group at mult = 1e-3 (folded) and one at mult = 16 (not: c =
+  // -2^28 - 32 takes 8 after the fused multiply-add), with gaps that c holds exactly.
+  const float small = 1e-3f;
+  const int32_t acc[4] = {0, -10, -2, -4};
+  const float mult[4] = {small, small, 16.f, 16.f};
+  float ps[4];
+  sim::RowState st;
+  sim::softmax_enter_tile_integer_max(st, acc, mult, 4, f, ps);
+  ASSERT_EQ(st.m, 0.f);
+  EXPECT_EQ(ps[0], 256.f);  // the row max: P~ = 1
+  EXPECT_EQ(ps[1], std::exp2(static_cast<float>(-10.0 * small + 8.0)));
+  EXPECT_EQ(ps[2], std::exp2(-32.f + 8.f));
+  EXPECT_EQ(ps[3], std::exp2(-64.f + 8.f));
+  // A scale that is no power of two adds its rounded log2 to every exponent.
+  const rules::PScaleFold g = rules::p_scale_fold(112.f, 128);
+  sim::RowState st2;
+  sim::softmax_enter_tile_integer_max(st2, acc, mult, 4, g, ps);
+  EXPECT_EQ(ps[0], std::exp2(0.f + g.k));
+  EXPECT_EQ(ps[1], std::exp2(std::fma(16777216.f - 10.f, small, -small * 16777216.f) + g.k));
+}
+
 // ---- the path against the contract and against the logit path --------------------------
 
 // For every rule-true preset (and INT4 without Q smoothing) on random rows, full and causal:
 //  * m and alpha are bit-identical to the logit path's;
-//  * P~ is exp2f of the contract's x_j, recomputed here (exactly, in double, where |c| < 2^25
-//    mult; else with std::fma);
-//  * x_new = x_j and x_old = fl(fl(acc * mult) - m) both lie within a sum of half-ulps of the
-//    exact acc * mult - m, so |x_new - x_old| <= h(tmax) + h(tmax - m) + h(c) + h(x_new) +
-//    h(S2) + h(x_old), and in mult units (d = 128: |acc| < 2^21, h(tmax), h(S2) <= mult / 8;
-//    h(c) <= 2^-24 |c| <= mult + 2^-24 |tmax - m|): |x_new - x_old| <= 1.25 mult +
-//    2^-24 (2 |tmax - m| + |x_new| + |x_old|);
-//  * P~ then agrees within the factor 2^|x_new - x_old| and exp2f's last-bit error.
+//  * P~ * p_scale is exp2f of the contract's x_j' (P's scale in the exponent), recomputed here:
+//    fl(f_j mult + fl(c + k)) for a folded group (the fused multiply-add exactly, in double,
+//    where |c| < 2^25 mult; else with std::fma), fl(fl(f_j mult + c) + k) for any other;
+//  * x_new = x_j' - log2(p_scale) and x_old = fl(fl(acc * mult) - m) both lie within a sum of
+//    half-ulps of the exact acc * mult - m, so |x_new - x_old| <= h(tmax) + h(tmax - m) + h(c)
+//    + h(c + k) + h(x_j') + [h(x_j) not folded] + h(S2) + h(x_old) + |k - log2(p_scale)|, and
+//    in mult units (d = 128: |acc| < 2^21, h(tmax), h(S2) <= mult / 8; h(c) <= 2^-24 |c| <=
+//    mult + 2^-24 |tmax - m|): |x_new - x_old| <= 1.25 mult + 2^-24 (2 |tmax - m| + 2 |k| +
+//    |x_j'| + |x_j| + |x_old|) + |k - log2(p_scale)|;
+//  * P~ * p_scale then agrees with the logit path's within the factor 2^|x_new - x_old| and
+//    exp2f's last-bit error.
 TEST(SimIntegerRowMax, MatchesTheContractAndStaysWithinItsBoundOfTheLogitPath) {
   std::vector<Recipe> recipes;
   for (const Recipe& r : presets())
@@ -225,7 +313,7 @@ TEST(SimIntegerRowMax, MatchesTheContractAndStaysWithinItsBoundOfTheLogitPath) {
     for (int64_t t = 0; t < nkv; ++t)
       for (int64_t c = 0; c < d; ++c) k[t * d + c] = k[t * d + c] * (1.f + (t % 8) * 0.25f) + bias[c];
     const Operands x = quantize(r, normals(nq * d, 1.5, 10), k, nq, nkv, d);
-    int64_t keys = 0, differ = 0, by_double = 0;
+    int64_t keys = 0, differ = 0, by_double = 0, groups = 0, folded = 0;
     double worst_units = 0;  // max |x_new - x_old| / mult over keys with P~ >= 2^-24
     for (bool causal : {false, true}) {
       for_each_tile(x, causal, [&](const Tile& t) {
@@ -234,23 +322,31 @@ TEST(SimIntegerRowMax, MatchesTheContractAndStaysWithinItsBoundOfTheLogitPath) {
         ASSERT_EQ(reference::float_bits(t.alpha_new), reference::float_bits(t.alpha_old))
             << r.name << " row " << t.i << " tile " << t.j0;
         if (t.j0 == 0) ASSERT_EQ(t.alpha_new, 0.f);
+        for (int g = 0; g < kKThreadGroups; ++g) {
+          groups += t.present[g];
+          folded += t.folded[g];
+        }
         for (int64_t j = 0; j < t.count; ++j) {
           const int g = Tile::group(j);
-          const float x_new = t.x_ref[j];
+          const double x_new = t.x_new(j);
           const float x_old = t.s2[j] - t.m_new;
-          ASSERT_EQ(t.p_new[j], std::exp2(x_new)) << r.name << " row " << t.i << " key " << t.j0 + j;
-          ASSERT_LE(x_new, 0.f);
-          ASSERT_TRUE(t.p_new[j] >= 0.f && t.p_new[j] <= 1.f);
-          const double dx = std::fabs(static_cast<double>(x_new) - x_old);
-          const double tight = half_ulp(t.tmax[g]) + half_ulp(t.gap[g]) + half_ulp(t.c[g]) +
-                               half_ulp(x_new) + half_ulp(t.s2[j]) + half_ulp(x_old);
+          ASSERT_EQ(t.p_new[j], t.p_ref(j)) << r.name << " row " << t.i << " key " << t.j0 + j;
+          ASSERT_LE(x_new, t.k_error());
+          ASSERT_TRUE(t.p_new[j] >= 0.f && t.p_new[j] <= x.p_scale * (1 + 0x1p-20));
+          const double dx = std::fabs(x_new - x_old);
+          const double tight =
+              half_ulp(t.tmax[g]) + half_ulp(t.gap[g]) + half_ulp(t.c[g]) +
+              (t.folded[g] ? half_ulp(t.c[g] + t.k) : half_ulp(t.x_ref[j])) +
+              half_ulp(t.x_scaled[j]) + half_ulp(t.s2[j]) + half_ulp(x_old) + t.k_error();
           ASSERT_LE(dx, tight) << r.name << " row " << t.i << " key " << t.j0 + j;
-          const double units = (1.25 + 0x1p-20) * t.gmult[g] +
-                               0x1p-24 * (2.001 * std::fabs(t.gap[g]) + std::fabs(x_new) + std::fabs(x_old));
+          const double units = (1.25 + 0x1p-20) * t.gmult[g] + t.k_error() +
+                               0x1p-24 * (2.001 * std::fabs(t.gap[g]) + 2 * std::fabs(t.k) +
+                                          std::fabs(t.x_scaled[j]) + std::fabs(t.x_ref[j]) +
+                                          std::fabs(x_old));
           ASSERT_LE(dx, units) << r.name << " row " << t.i << " key " << t.j0 + j;
-          const double pmax = std::max(t.p_new[j], t.p_old[j]);
-          ASSERT_LE(std::fabs(static_cast<double>(t.p_new[j]) - t.p_old[j]),
-                    pmax * (std::exp2(dx) * (1 + 0x1p-21) - 1) + 0x1p-140)
+          const double p_old = static_cast<double>(t.p_old[j]) * x.p_scale;
+          const double pmax = std::max<double>(t.p_new[j], p_old);
+          ASSERT_LE(std::fabs(t.p_new[j] - p_old), pmax * (std::exp2(dx) * (1 + 0x1p-21) - 1) + 0x1p-140)
               << r.name << " row " << t.i << " key " << t.j0 + j;
           ++keys;
           differ += x_new != x_old;
@@ -264,11 +360,15 @@ TEST(SimIntegerRowMax, MatchesTheContractAndStaysWithinItsBoundOfTheLogitPath) {
     EXPECT_GT(differ, keys / 100) << r.name;
     EXPECT_GT(by_double, keys * 9 / 10) << r.name;
     EXPECT_LE(worst_units, 1.25 + 0.05) << r.name;
+    // A power-of-two P scale (sage2_8b's 256, fp16 P's 1) joins every group's offset for
+    // these inputs; any other scale none.
+    EXPECT_EQ(folded, x.fold.mult_limit > 0.f ? groups : 0) << r.name;
   }
 }
 
 // For a group whose max is the row max (tmax_g == m), c_g = -2^24 mult_g exactly and x_j is
-// (acc_j - amax_g) * mult_g rounded once; the max key's P~ is exactly 1.
+// (acc_j - amax_g) * mult_g rounded once (with P's scale 2^k in the offset, (acc_j - amax_g)
+// * mult_g + k rounded once); the max key's P~ is exactly 1, P~ * p_scale = 2^k.
 TEST(SimIntegerRowMax, RowMaxGroupIsOneRoundingAndItsMaxKeyIsOne) {
   const int64_t d = 128, nq = 64, nkv = 300;
   for (const char* name : {"sage2_8b", "sage1_b"}) {
@@ -285,8 +385,11 @@ TEST(SimIntegerRowMax, RowMaxGroupIsOneRoundingAndItsMaxKeyIsOne) {
           const float exact_once =
               static_cast<float>(static_cast<double>(t.acc[j] - t.amax[g]) * t.gmult[g]);
           ASSERT_EQ(t.x_ref[j], exact_once) << name << " row " << t.i << " key " << t.j0 + j;
-          ASSERT_EQ(t.p_new[j], std::exp2(exact_once));
-          if (t.acc[j] == t.amax[g]) ASSERT_EQ(t.p_new[j], 1.f) << name << " row " << t.i;
+          ASSERT_TRUE(t.folded[g]);
+          ASSERT_EQ(t.x_scaled[j], static_cast<float>(static_cast<double>(t.acc[j] - t.amax[g]) *
+                                                          t.gmult[g] + t.k));
+          ASSERT_EQ(t.p_new[j], t.p_ref(j));
+          if (t.acc[j] == t.amax[g]) ASSERT_EQ(t.p_new[j], x.p_scale) << name << " row " << t.i;
         }
       }
     });
@@ -322,7 +425,7 @@ TEST(SimIntegerRowMax, OffsetRoundsEachSubtraction) {
   const float mult[3] = {mult0, mult0, mult1};
   float p[3];
   sim::RowState st;
-  sim::softmax_enter_tile_integer_max(st, acc, mult, 3, p);
+  sim::softmax_enter_tile_integer_max(st, acc, mult, 3, rules::p_scale_fold(1.f, 128), p);
   ASSERT_EQ(st.m, m);
   EXPECT_EQ(p[0], 1.f);
   // Key 2 is its group's max: f = 2^24, x = fl(2^24 mult1 + c).
@@ -332,7 +435,7 @@ TEST(SimIntegerRowMax, OffsetRoundsEachSubtraction) {
 
 // Q and K near the fp16 limit: logits ~1e10 in log2 units, ulp(m) ~ 2^10. The max key (and
 // its twin of the same thread group) keeps P~ = 1 exactly, nothing is NaN, and m is the
-// logit path's.
+// logit path's. Here mult >= 8: no group takes k = 8 into its offset (c + 8 would round).
 TEST(SimIntegerRowMax, HugeLogitsKeepTheMaxKeyAtOne) {
   const int64_t d = 128, nq = 64, nkv = 300;
   reference::Rng rng(99);
@@ -357,12 +460,17 @@ TEST(SimIntegerRowMax, HugeLogitsKeepTheMaxKeyAtOne) {
       for_each_tile(x, causal, [&](const Tile& t) {
         ASSERT_EQ(t.m_new, t.m_old) << r.name;
         ASSERT_TRUE(std::isfinite(t.m_new)) << r.name;
+        for (int g = 0; g < kKThreadGroups; ++g) {
+          ASSERT_TRUE(!t.present[g] || t.gmult[g] >= 8.f) << r.name;
+          ASSERT_TRUE(!t.folded[g] || t.k == 0.f) << r.name;  // adding 0 is exact
+        }
         for (int64_t j = 0; j < t.count; ++j) {
           ASSERT_FALSE(std::isnan(t.p_new[j])) << r.name;
-          ASSERT_TRUE(t.p_new[j] >= 0.f && t.p_new[j] <= 1.f) << r.name;
+          ASSERT_TRUE(t.p_new[j] >= 0.f && t.p_new[j] <= x.p_scale * (1 + 0x1p-20)) << r.name;
           const int g = Tile::group(j);
           if (t.tmax[g] == t.m_new && t.acc[j] == t.amax[g]) {
-            ASSERT_EQ(t.p_new[j], 1.f) << r.name << " row " << t.i << " key " << t.j0 + j;
+            // P~ = 1: exactly p_scale for a power of two, exp2f(fl(log2 p_scale)) otherwise.
+            ASSERT_EQ(t.p_new[j], std::exp2(t.k)) << r.name << " row " << t.i << " key " << t.j0 + j;
             ++ones[t.i];
           }
         }
@@ -389,7 +497,7 @@ TEST(SimIntegerRowMax, PartialTilesWithEmptyGroups) {
     counts.insert(t.count);
     for (int g = 0; g < kKThreadGroups; ++g) EXPECT_EQ(t.present[g], t.count > 2 * g);
     ASSERT_EQ(t.m_new, t.m_old);
-    for (int64_t j = 0; j < t.count; ++j) ASSERT_EQ(t.p_new[j], std::exp2(t.x_ref[j]));
+    for (int64_t j = 0; j < t.count; ++j) ASSERT_EQ(t.p_new[j], t.p_ref(j));
   });
   for (int64_t c : {1, 2, 3, 7, 9, 113}) EXPECT_TRUE(counts.count(c)) << c;
   // One visible key: its own max, so P~ = 1.
@@ -397,8 +505,8 @@ TEST(SimIntegerRowMax, PartialTilesWithEmptyGroups) {
   const int32_t acc = -12345;
   const float mult = 3.5e-4f;
   float p = -1.f;
-  EXPECT_EQ(sim::softmax_enter_tile_integer_max(st, &acc, &mult, 1, &p), 0.f);
-  EXPECT_EQ(p, 1.f);
+  EXPECT_EQ(sim::softmax_enter_tile_integer_max(st, &acc, &mult, 1, x.fold, &p), 0.f);
+  EXPECT_EQ(p, x.p_scale);  // P~ = 1
   EXPECT_EQ(st.m, static_cast<float>(acc) * mult);
 }
 
@@ -440,7 +548,11 @@ TEST(SimIntegerRowMax, SimulateUsesThePathTheRuleSelects) {
       const bool path = r == &int_max;
       for_each_tile(x, causal, [&](const Tile& t) {
         sim::softmax_add_row_sum(st_old[t.i], t.alpha_old, sim::softmax_row_sum(t.p_old.data(), t.count));
-        sim::softmax_add_row_sum(st_new[t.i], t.alpha_new, sim::softmax_row_sum(t.p_new.data(), t.count));
+        // simulate() sums P~ = (P~ * p_scale) / p_scale on this path.
+        std::vector<float> p_tilde(t.p_new);
+        if (path)
+          for (float& v : p_tilde) v /= x.p_scale;
+        sim::softmax_add_row_sum(st_new[t.i], t.alpha_new, sim::softmax_row_sum(p_tilde.data(), t.count));
         st_old[t.i].m = t.m_old;
         st_new[t.i].m = t.m_new;
       }, path);

@@ -431,7 +431,12 @@ TEST(SimScaleFormulas, Int8PerBlockByHand) {
 TEST(SimScaleFormulas, StaticP) {
   const float p[5] = {0.3f, 0.5f, 1.f, 1e-3f, 0.f};
   reference::sim::PTile t;
-  Recipe r = preset("sage2_8b");  // e4m3, P~ * 448
+  Recipe r = preset("sage2_8b");  // e4m3 without p_range: P~ * 256 (rules::p_default_max)
+  reference::sim::quantize_p(r, p, 5, t);
+  const float e4m3_256[5] = {80.f, 128.f, 256.f, 0.25f, 0.f};  // 76.8 -> 80, 0.256 -> 0.25
+  for (int j = 0; j < 5; ++j) EXPECT_EQ(t.values[j], e4m3_256[j]) << j;
+
+  r.p_range = 448.f;  // the format max (the SageAttention2 paper's): P~ * 448
   reference::sim::quantize_p(r, p, 5, t);
   const float e4m3[5] = {128.f, 224.f, 448.f, 0.4375f, 0.f};  // 134.4 -> 128, 0.448 -> 0.4375
   for (int j = 0; j < 5; ++j) EXPECT_EQ(t.values[j], e4m3[j]) << j;
