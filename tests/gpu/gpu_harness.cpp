@@ -54,6 +54,10 @@ Recipe GpuCase::recipe_options() const {
     r.v_scale = VScale::per_channel;
     r.name = recipe + "+v_per_channel";
   }
+  if (p_range > 0.f) {
+    r.p_range = p_range;
+    r.name += "+p_range";
+  }
   return r;
 }
 
@@ -61,7 +65,9 @@ bool GpuCase::prequantized() const { return preset(recipe).inputs == Inputs::pre
 
 std::string GpuCase::describe() const {
   std::ostringstream os;
-  os << recipe << (v_per_channel ? "+v_per_channel" : "") << " "
+  os << recipe << (v_per_channel ? "+v_per_channel" : "");
+  if (p_range > 0.f) os << " p_range " << p_range;
+  os << " "
      << (prequantized() ? std::string("i8->") : std::string()) << dtype_name(dtype) << " "
      << layout_name(layout) << (strided ? " strided" : "") << " B" << batch << " Hq" << heads_q
      << " Hkv" << heads_kv << " Nq" << n_q << " Nkv" << n_kv << " D" << head_dim

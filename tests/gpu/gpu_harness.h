@@ -45,10 +45,12 @@ struct GpuCase {
   bool with_lse = true;
   std::string recipe = "sage2_8b";
   bool v_per_channel = false;  // prequantized recipes: V scale per channel instead of per tensor
+  float p_range = 0.f;         // > 0: the recipe's p_range instead of the preset's
   std::string distribution = "normal";  // a synthetic distribution, or "zeros", "huge"
   uint64_t seed = 0;
   std::string describe() const;
-  // The Recipe this case runs: the preset, with v_scale per channel when v_per_channel.
+  // The Recipe this case runs: the preset, with v_scale per channel when v_per_channel and
+  // p_range when set.
   Recipe recipe_options() const;
   bool prequantized() const;
 };

@@ -150,6 +150,32 @@ TEST(Sm90Attention, SyntheticDistributions) {
   }));
 }
 
+// P's scale in the exponent (docs/numerics.md step 6) on the paths the presets' usual inputs
+// leave alone: a P scale that is no power of two (the paper's 448: every exponent adds its
+// rounded log2) or 64 (k = 6), and inputs near the fp16 limit, whose multipliers (~3e4) are
+// far above the fold's limit, so every thread adds k after the FFMA (the default's 256
+// included). Both head dims, full and causal; the huge inputs without the LSE, whose ~1e10
+// magnitude makes an absolute bound meaningless.
+TEST(Sm90Attention, PScaleInTheExponentOffThePresets) {
+  SAGE_REQUIRE_GPU();
+  std::vector<GpuCase> cases;
+  for (int64_t d : {64, 128})
+    for (bool causal : {false, true}) {
+      GpuCase c;
+      c.head_dim = d, c.causal = causal, c.n_q = 200, c.n_kv = 300, c.seed = uint64_t(d + causal);
+      for (float p_range : {448.f, 64.f})
+        for (const char* dist : {"normal", "outliers"}) {
+          c.p_range = p_range, c.distribution = dist;
+          cases.push_back(c);
+        }
+      for (float p_range : {0.f, 64.f}) {
+        c.p_range = p_range, c.distribution = "huge", c.with_lse = false;
+        cases.push_back(c);
+      }
+    }
+  expect_cases_within_bounds(cases);
+}
+
 TEST(Sm90Attention, NoNaNOnZerosAndNearFp16Limit) {
   SAGE_REQUIRE_GPU();
   std::vector<GpuCase> cases = for_every_variant([](const GpuCase& base, std::vector<GpuCase>& out) {
