@@ -74,7 +74,8 @@ inline bool p_scale_in_exponent(const Recipe& r) {
 // of ulp(c) <= 2^tz(k), from mult >= k 2^-24 up), so its max key keeps P~ = 1 exactly. +inf for
 // k = 0 (fp16 P: adding 0), 0 (never) for a p_scale that is no power of two (k rounded) and
 // below head dim 128: there the consumer warps have 128 registers, and the fold's extra live
-// values made ptxas spill (-5% to -14% kernel time at d = 64, docs/performance.md v25).
+// values made ptxas spill (80 -> 196 bytes; a per-row form of the fold lost 4-14% kernel time
+// at d = 64, docs/performance.md v25b), while the add alone gained 0-2.5% (v25).
 struct PScaleFold {
   float k = 0.f;           // log2(p_scale) as a float (exact for a power of two)
   float mult_limit = 0.f;  // a group folds k into its offset iff mult < mult_limit
