@@ -132,7 +132,7 @@ int run_check(const std::vector<std::string>& args) {
   // row sum as accurate?). The table names the change next to the preset.
   const int64_t p_range = flags.has("p-range") ? flags.integer("p-range", 0, 1, 65504) : 0;
   const std::string row_sum = flags.has("row-sum")
-                                  ? flags.choice("row-sum", "float_p", {"float_p", "quantized_p"})
+                                  ? flags.choice("row-sum", "float_p", {"float_p", "quantized_p", "pv_mma"})
                                   : "";
   std::string changed;
   if (p_range > 0) changed += " p_range=" + std::to_string(p_range);
@@ -145,7 +145,10 @@ int run_check(const std::vector<std::string>& args) {
                          name + "'s has none");
       r.p_range = float(p_range);
     }
-    if (!row_sum.empty()) r.row_sum = row_sum == "quantized_p" ? RowSum::quantized_p : RowSum::float_p;
+    if (!row_sum.empty())
+      r.row_sum = row_sum == "quantized_p" ? RowSum::quantized_p
+                  : row_sum == "pv_mma"    ? RowSum::pv_mma
+                                           : RowSum::float_p;
     return r;
   };
   for (const std::string& name : recipes) checked_recipe(name);  // usage errors before any work

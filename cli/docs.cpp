@@ -410,7 +410,11 @@ int run_docs(const std::vector<std::string>& args) {
        << "- Accumulation: " << accum_words(r) << "\n"
        << "- Softmax denominator: "
        << (r.row_sum == RowSum::quantized_p ? "the sum of the quantized P."
-                                            : "the sum of the unquantized P.")
+           : r.row_sum == RowSum::pv_mma
+               ? "from head dim 128 the sum of the quantized P, taken by the PV MMA (a V "
+                 "channel of ones, with the accumulator's rounding); below, the sum of the "
+                 "unquantized P."
+               : "the sum of the unquantized P.")
        << "\n"
        << "- Inputs: "
        << (r.inputs == Inputs::prequantized_int8

@@ -17,6 +17,8 @@ OPS = [
     ("mma_s8_rs", 128, 32, "s32", "s8", "s8", "int32_t"),
     ("mma_e4m3_rs", 64, 32, "f32", "e4m3", "e4m3", "float"),
     ("mma_e4m3_rs", 128, 32, "f32", "e4m3", "e4m3", "float"),
+    # d = 128 with one more n8 block of V: the row sum's column of ones (RowSum::pv_mma)
+    ("mma_e4m3_rs", 136, 32, "f32", "e4m3", "e4m3", "float"),
     ("mma_e4m3_rs_f16acc", 64, 32, "f16", "e4m3", "e4m3", "uint32_t"),
     ("mma_e4m3_rs_f16acc", 128, 32, "f16", "e4m3", "e4m3", "uint32_t"),
     ("mma_f16_rs_f16acc", 64, 16, "f16", "f16", "f16", "uint32_t"),

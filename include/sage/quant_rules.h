@@ -93,6 +93,19 @@ inline PScaleFold p_scale_fold(float p_scale, int head_dim) {
 }
 SAGE_HD bool p_scale_folds(float mult, float mult_limit) { return mult < mult_limit; }
 
+// The row sum from the PV MMA (RowSum::pv_mma, docs/numerics.md step 6): from head dim 128
+// the PV MMA multiplies P with one more V channel of ones, so the row sum is the quantized P
+// accumulated as the output is (step 9's FP8 k32 steps, then two-level) and the softmax's
+// float sum of P~ (one FADD per score, the issue slots that bind the kernel) goes away:
+// +1.8% .. +4.7% kernel time at d = 128 (docs/performance.md v26). Below, the recipe sums the
+// unquantized P~ as float_p does: at d = 64 the n = 72 MMA's extra registers made ptxas spill
+// and the kernel lost 4-12% (v19d). Only E4M3 P with two-level accumulation has such a kernel.
+constexpr int kRowSumMmaMinHeadDim = 128;
+inline bool row_sum_in_pv_mma(const Recipe& r, int head_dim) {
+  return r.row_sum == RowSum::pv_mma && r.pv_format == PVFormat::e4m3 &&
+         r.pv_accum == PVAccum::two_level && head_dim >= kRowSumMmaMinHeadDim;
+}
+
 // The largest value of a P/V format: what a static scale maps a maximum to.
 inline float pv_format_max(PVFormat f) {
   switch (f) {

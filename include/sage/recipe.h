@@ -72,6 +72,10 @@ enum class PVAccum : uint8_t {
 enum class RowSum : uint8_t {
   float_p,      // sum of the unquantized P~ (SageAttention 1/2/3)
   quantized_p,  // sum of the quantized P (INT-FlashAttention)
+  // Where the Hopper kernel can (rules::row_sum_in_pv_mma: E4M3 P, two-level accumulation,
+  // head dim >= 128) the quantized P summed by the PV MMA itself, as one more V channel of
+  // ones, so with the PV accumulator's rounding; elsewhere float_p's sum.
+  pv_mma,
 };
 
 // Whether the caller passes fp16/bf16 tensors or already-quantized INT8 ones with scales.
@@ -90,7 +94,7 @@ struct Recipe {
   PVAccum pv_accum = PVAccum::two_level;
   float p_range = 0.f;  // static_max: P~ is scaled to [0, p_range] (0: the format max; E4M3 256)
   float v_range = 0.f;  // per_channel/per_tensor V scaled to [-v_range, v_range] (0: format max)
-  RowSum row_sum = RowSum::float_p;
+  RowSum row_sum = RowSum::pv_mma;  // the float sum wherever the PV path has no MMA row sum
   Inputs inputs = Inputs::floating;
 };
 

@@ -53,7 +53,8 @@ struct Values<sage::PVAccum> {
 };
 template <>
 struct Values<sage::RowSum> {
-  static constexpr sage::RowSum all[] = {sage::RowSum::float_p, sage::RowSum::quantized_p};
+  static constexpr sage::RowSum all[] = {sage::RowSum::float_p, sage::RowSum::quantized_p,
+                                         sage::RowSum::pv_mma};
 };
 template <>
 struct Values<sage::Inputs> {

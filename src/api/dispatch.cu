@@ -312,6 +312,21 @@ struct Checked {
 Checked check_gpu_call(const AttentionArgs& args) {
   const Problem pr = check_args(args, DeviceKind::cuda);
   const KernelVariant v = check_gpu_recipe(args.recipe);
+  // Where the kernel takes the row sum from its PV MMA (v_ones_rows: the two-level E4M3 path
+  // from d = 128) the recipe must ask for that sum, and only there.
+  const int d = int(pr.head_dim);
+  const bool kernel_mma_sum = sm90::v_ones_rows(d, v.path) > 0;
+  if (kernel_mma_sum != rules::row_sum_in_pv_mma(args.recipe, d)) {
+    if (!kernel_mma_sum)
+      throw std::logic_error("sage: internal error: rules::row_sum_in_pv_mma holds for recipe '" +
+                             args.recipe.name + "' where the sm_90 kernel sums in the softmax");
+    throw Error("recipe.row_sum", "'" + args.recipe.name + "' (row_sum " +
+                                      to_string(args.recipe.row_sum) + ") at head_dim " +
+                                      std::to_string(d) +
+                                      ": the sm_90 kernel of this PV path takes the row sum from "
+                                      "its PV MMA there; use row_sum pv_mma (the SageAttention2 "
+                                      "presets' choice), or the CPU simulator for float_p");
+  }
   check_alignment("q", args.q, 8);
   check_alignment("k", args.k, 8);
   check_alignment("v", args.v, 8);

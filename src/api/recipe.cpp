@@ -47,12 +47,17 @@ std::vector<Recipe> build_presets() {
   // SageAttention2: per-thread INT8 (or INT4 with Q+K smoothing), FP8 E4M3 P (static, 256:
   // rules::p_default_max; the paper's 448 is p_range = 448) and V per channel, two-level
   // accumulation. sage2_8b is the Hopper default.
+  // From head dim 128 their row sum comes from the PV MMA (RowSum::pv_mma; the paper sums the
+  // unquantized P, row_sum = float_p, which the Hopper kernel does only below d = 128).
   v.push_back(make("sage2_8b", Q::int8, G::per_thread, true, false, false, P::e4m3,
-                   PScale::static_max, VScale::per_channel, PVAccum::two_level));
+                   PScale::static_max, VScale::per_channel, PVAccum::two_level, 0.f, 0.f,
+                   RowSum::pv_mma));
   v.push_back(make("sage2_8b_vsmooth", Q::int8, G::per_thread, true, false, true, P::e4m3,
-                   PScale::static_max, VScale::per_channel, PVAccum::two_level));
+                   PScale::static_max, VScale::per_channel, PVAccum::two_level, 0.f, 0.f,
+                   RowSum::pv_mma));
   v.push_back(make("sage2_4b", Q::int4, G::per_thread, true, true, false, P::e4m3,
-                   PScale::static_max, VScale::per_channel, PVAccum::two_level));
+                   PScale::static_max, VScale::per_channel, PVAccum::two_level, 0.f, 0.f,
+                   RowSum::pv_mma));
   // SageAttention2++: FP8 PV accumulated in FP16 over two k32 MMAs, then in FP32; P and V
   // ranges narrowed to Pr = 112, Vr = 4.5 so that 64 products stay inside FP16.
   v.push_back(make("sage2pp_8b", Q::int8, G::per_thread, true, false, false, P::e4m3,
@@ -121,6 +126,7 @@ std::string recipe_summary(const Recipe& r) {
   if (r.smooth_v) os << " (smooth V)";
   os << "; accumulate " << to_string(r.pv_accum);
   if (r.row_sum == RowSum::quantized_p) os << "; row sum of quantized P";
+  if (r.row_sum == RowSum::pv_mma) os << "; row sum from the PV MMA from d = 128";
   if (r.inputs == Inputs::prequantized_int8) os << "; prequantized INT8 inputs";
   return os.str();
 }
@@ -228,7 +234,12 @@ const char* to_string(PVAccum v) {
   return "?";
 }
 const char* to_string(RowSum v) {
-  return v == RowSum::float_p ? "float_p" : "quantized_p";
+  switch (v) {
+    case RowSum::float_p: return "float_p";
+    case RowSum::quantized_p: return "quantized_p";
+    case RowSum::pv_mma: return "pv_mma";
+  }
+  return "?";
 }
 const char* to_string(Inputs v) {
   return v == Inputs::floating ? "floating" : "prequantized_int8";

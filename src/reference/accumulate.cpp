@@ -1,6 +1,7 @@
 #include "reference/accumulate.h"
 
 #include <algorithm>
+#include <stdexcept>
 
 #include "reference/rounding.h"
 
@@ -22,6 +23,44 @@ void step_sum(const PTile& p, const VOperand& v, int64_t j0, int64_t t0, int64_t
 }
 
 
+// One k32 step of the FP8 MMA into acc[0, d) (FP22 values), as the sm_90 tensor core does it
+// (measured, bench/probe_fp8_accum.cu, every one of 162 crafted rows bit for bit on the H200):
+// the accumulator and the step's products are each truncated toward zero to the grid of 13
+// fraction bits below the leading bit of the largest of them in magnitude, the truncated terms
+// are summed exactly, and the sum is truncated to FP22. (Summing exactly and truncating only
+// the sum, the model before, matched 103 of the 162: it keeps the low bits that small products
+// lose beside a large one, which biased a sum of positive P upwards.)
+// product(t, c): the exact product of token t's P and channel c's V (double); tokens [t0, t1).
+// grid, step: d doubles of scratch each.
+template <class Product>
+void fp8_mma_step(int64_t d, int64_t t0, int64_t t1, Product product, float* acc, double* grid,
+                  double* step) {
+  for (int64_t c = 0; c < d; ++c) grid[c] = std::fabs(double(acc[c]));  // the largest |term|
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t c = 0; c < d; ++c) grid[c] = std::max(grid[c], std::fabs(product(t, c)));
+  for (int64_t c = 0; c < d; ++c) {
+    int e = 0;
+    std::frexp(grid[c], &e);  // largest = m 2^e, m in [0.5, 1): its leading bit is 2^(e - 1)
+    // The inverse of the grid 2^(e - 14), or 0 where every term is 0 (they all stay 0).
+    grid[c] = grid[c] > 0.0 ? std::ldexp(1.0, 14 - e) : 0.0;
+    step[c] = grid[c] > 0.0 ? std::trunc(double(acc[c]) * grid[c]) / grid[c] : 0.0;
+  }
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t c = 0; c < d; ++c)
+      if (grid[c] > 0.0) step[c] += std::trunc(product(t, c) * grid[c]) / grid[c];
+  for (int64_t c = 0; c < d; ++c) acc[c] = truncate_double_to_fp22(step[c]);
+}
+
+// fp8_mma_step over tokens [t0, t1) of the tile, for every channel of v.
+void fp8_mma_step(const PTile& p, const VOperand& v, int64_t j0, int64_t t0, int64_t t1,
+                  float* acc, AccumScratch& sc) {
+  const int64_t d = v.d;
+  const auto product = [&](int64_t t, int64_t c) {
+    return double(p.values[t]) * double(v.values[(j0 + t) * d + c]);
+  };
+  fp8_mma_step(d, t0, t1, product, acc, sc.grid.data(), sc.step.data());
+}
+
 }  // namespace
 
 void accumulate_tile(PVAccum accum, const PTile& p, const VOperand& v, int64_t j0, float alpha,
@@ -29,6 +68,7 @@ void accumulate_tile(PVAccum accum, const PTile& p, const VOperand& v, int64_t j
   const int64_t d = v.d;
   const int64_t count = static_cast<int64_t>(p.values.size());
   sc.step.resize(static_cast<size_t>(d));
+  sc.grid.resize(static_cast<size_t>(d));
   sc.tile.resize(static_cast<size_t>(d));
   double* s = sc.step.data();
   float* acc = sc.tile.data();
@@ -67,18 +107,14 @@ void accumulate_tile(PVAccum accum, const PTile& p, const VOperand& v, int64_t j
     }
     case PVAccum::fp22: {
       for (int64_t c = 0; c < d; ++c) O[c] *= alpha;
-      for (int64_t t0 = 0; t0 < count; t0 += kFp8KStep) {
-        step_sum(p, v, j0, t0, std::min(count, t0 + kFp8KStep), s);
-        for (int64_t c = 0; c < d; ++c) O[c] = truncate_double_to_fp22(O[c] + s[c]);
-      }
+      for (int64_t t0 = 0; t0 < count; t0 += kFp8KStep)
+        fp8_mma_step(p, v, j0, t0, std::min(count, t0 + kFp8KStep), O, sc);
       return;
     }
     case PVAccum::two_level: {
       std::fill(acc, acc + d, 0.f);
-      for (int64_t t0 = 0; t0 < count; t0 += kFp8KStep) {
-        step_sum(p, v, j0, t0, std::min(count, t0 + kFp8KStep), s);
-        for (int64_t c = 0; c < d; ++c) acc[c] = truncate_double_to_fp22(acc[c] + s[c]);
-      }
+      for (int64_t t0 = 0; t0 < count; t0 += kFp8KStep)
+        fp8_mma_step(p, v, j0, t0, std::min(count, t0 + kFp8KStep), acc, sc);
       for (int64_t c = 0; c < d; ++c) O[c] = O[c] * alpha + acc[c];
       return;
     }
@@ -97,6 +133,18 @@ void accumulate_tile(PVAccum accum, const PTile& p, const VOperand& v, int64_t j
       return;
     }
   }
+}
+
+float pv_mma_row_sum(PVAccum accum, const PTile& p) {
+  if (accum != PVAccum::two_level)
+    throw std::logic_error("pv_mma_row_sum: two_level accumulation only (rules::row_sum_in_pv_mma)");
+  const int64_t count = static_cast<int64_t>(p.values.size());
+  const auto times_one = [&](int64_t t, int64_t) { return double(p.values[t]); };
+  float acc = 0.f;
+  double grid = 0.0, step = 0.0;
+  for (int64_t t0 = 0; t0 < count; t0 += kFp8KStep)
+    fp8_mma_step(1, t0, std::min(count, t0 + kFp8KStep), times_one, &acc, &grid, &step);
+  return acc;
 }
 
 }  // namespace sage::reference::sim

@@ -100,6 +100,7 @@ void simulate(const AttentionArgs& args) {
   const bool p_in_exponent = rules::p_scale_in_exponent(r);
   const float exp_scale = p_in_exponent ? pmax : 1.f;
   const rules::PScaleFold p_fold = rules::p_scale_fold(exp_scale, static_cast<int>(d));
+  const bool row_sum_mma = rules::row_sum_in_pv_mma(r, static_cast<int>(d));
 
   parallel_for(p.batch * p.heads_q, [&](int64_t bh) {
     const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
@@ -166,8 +167,10 @@ void simulate(const AttentionArgs& args) {
           alpha = sim::softmax_enter_tile(st, s2.data(), count, pt.data());
         }
         sim::quantize_p(r, pt.data(), count, ptile, p_in_exponent ? ps.data() : nullptr);
-        const float row_sum = r.row_sum == RowSum::float_p ? sim::softmax_row_sum(pt.data(), count)
-                                                           : ptile.dequantized_sum;
+        // pv_mma: in P~ units like the others (pmax a power of two by default: exact).
+        const float row_sum = row_sum_mma ? sim::pv_mma_row_sum(r.pv_accum, ptile) / pmax
+                              : r.row_sum == RowSum::quantized_p ? ptile.dequantized_sum
+                                                                 : sim::softmax_row_sum(pt.data(), count);
         sim::accumulate_tile(r.pv_accum, ptile, kvh.v, j0, alpha, O.data(), scratch);
         sim::softmax_add_row_sum(st, alpha, row_sum);
       }

@@ -92,14 +92,15 @@ struct CtaShape {
 
 // QStage: the variant has the Q stage (q_stage.cuh), which needs two Q buffers (the stage
 // fills one while the consumers read the other) and the raw tile.
-template <int D, int VBytes, bool QStage>
+// VOnesRows: v_ones_rows, written once per launch below each stage's V tile.
+template <int D, int VBytes, bool QStage, int VOnesRows>
 struct SharedStorage {
   static constexpr int kConsumers = kConsumerWarpgroups<D>;
   static constexpr int kQBuffers = QStage ? 2 : 1;
   // Quantized Q tiles, one per consumer warpgroup (per buffer).
   alignas(1024) int8_t q[kQBuffers][kConsumers][64 * D];
   alignas(1024) int8_t k[kStages][kBlockKV * D];
-  alignas(1024) uint8_t v[kStages][D * kBlockKV * VBytes];
+  alignas(1024) uint8_t v[kStages][(D + VOnesRows) * kBlockKV * VBytes];
   alignas(1024) uint8_t q_raw[QStage ? kBlockQ<D> * D * 2 : 16];  // the stage's fp16/bf16 tile
   alignas(8) uint64_t full[kStages];
   alignas(8) uint64_t empty[kStages];
@@ -176,7 +177,7 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
       SAGE_SM90_OVERLAP_PV && (D == 64 ? KS == KScales::per_tile && !SmoothQ
                                        : Path == PVPath::e4m3_two_level || Path == PVPath::fp16);
   extern __shared__ uint8_t smem_raw[];
-  auto& s = *reinterpret_cast<SharedStorage<D, PV::kVBytes, kQStage>*>(
+  auto& s = *reinterpret_cast<SharedStorage<D, PV::kVBytes, kQStage, PV::kOnesRows>*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
   // Up to items_per_cta items (sm90/schedule.cu), in work_order.h's order: the producer
@@ -200,6 +201,15 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
       mbar_init(&s.q_empty[i], 4 * Cta::kConsumers);
     }
     fence_barrier_init();
+  }
+  if constexpr (PV::kOnesRows > 0) {
+    // The row sum's V channel of ones (RowSum::pv_mma): E4M3 1.0 (0x38) in every byte of the
+    // rows below each stage's V tile, which the TMA loads never write. The PV MMA reads them
+    // through the async proxy.
+    constexpr int kWords = PV::kOnesRows * kBlockKV / 4;
+    for (int i = threadIdx.x; i < kStages * kWords; i += blockDim.x)
+      reinterpret_cast<uint32_t*>(s.v[i / kWords] + D * kBlockKV)[i % kWords] = 0x38383838u;
+    fence_proxy_async();
   }
   __syncthreads();
 
@@ -434,6 +444,14 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
       return 8 * (i / 4) + i % 2 >= limit[frag::acc_row(i)];
     };
     constexpr bool kIntegerMax = KS == KScales::per_tile && !SmoothQ;
+    // The row sum from the PV MMA's column of ones (RowSum::pv_mma, pv_operand.cuh) rather
+    // than the softmax's FADD per score.
+    constexpr bool kRowSumInMma = PV::kOnesRows > 0;
+    // The product of the tile whose PV MMA was waited for, into O (and l).
+    auto fold_pv = [&](const float (&alpha)[2]) {
+      PV::fold(o, pv_acc, pa, alpha);
+      if constexpr (kRowSumInMma) PV::fold_row_sum(softmax.l, pv_acc, alpha);
+    };
     // P's scale in the exponent on the two-level E4M3 path (rules::p_scale_in_exponent), folded
     // into the offsets from head dim 128 (rules::p_scale_fold).
     constexpr PScaleMode kPScaleMode =
@@ -495,11 +513,11 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
           for (int i = 0; i < kBlockKV / 2; ++i)
             if (is_masked(limit, i)) sacc[i] = INT32_MIN;
         }
-        softmax.template update_from_int<kPScaleMode>(sacc, mult, masked, p.p_max, p.p_fold_k,
-                                                      p.p_fold_mult_limit, sc, alpha, p_sum);
+        softmax.template update_from_int<kPScaleMode, !kRowSumInMma>(
+            sacc, mult, masked, p.p_max, p.p_fold_k, p.p_fold_mult_limit, sc, alpha, p_sum);
       } else {
         make_scores(it, ks_prefetched, sc);
-        softmax.update(sc, p.p_max, alpha, p_sum);
+        softmax.template update<!kRowSumInMma>(sc, p.p_max, alpha, p_sum);
       }
     };
     // P of the tile into the PV operand, and the tile's row sums into the softmax state.
@@ -507,7 +525,9 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
                       const float (&p_sum)[2]) {
       int32_t code_sum[2] = {0, 0};
       PV::pack(sc, pa, code_sum);
-      if (Path == PVPath::int8 && p.quantized_row_sum) {
+      if constexpr (kRowSumInMma) {
+        // fold_pv adds the MMA's row sum
+      } else if (Path == PVPath::int8 && p.quantized_row_sum) {
         // INT-FlashAttention: the denominator sums the quantized P (the codes, which are in
         // the row sum's units of P~ * p_max).
         const float q_sum[2] = {float(code_sum[0]), float(code_sum[1])};
@@ -556,7 +576,7 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
         pack_p(sc, alpha, p_sum);
         issue_pv(stage);
         wgmma_wait<0>();
-        PV::fold(o, pv_acc, pa, alpha);
+        fold_pv(alpha);
         if (lane == 0) mbar_arrive(&s.empty[stage]);
       }
     }
@@ -600,7 +620,7 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
       trace_event(trace::softmax_done);
       wgmma_wait<0>();
       trace_event(trace::pv_done);
-      PV::fold(o, pv_acc, pa, alpha_pending);
+      fold_pv(alpha_pending);
       if (lane == 0) mbar_arrive(&s.empty[prev]);  // tile it - 1's K and V are read
       pack_p(sc, alpha, p_sum);
       alpha_pending[0] = alpha[0], alpha_pending[1] = alpha[1];
@@ -614,7 +634,7 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
       end_turn(true);
       wgmma_wait<0>();
       trace_event(trace::pv_done);
-      PV::fold(o, pv_acc, pa, alpha_pending);
+      fold_pv(alpha_pending);
       // The last stage goes back to the producer too: with chained items it refills it.
       if (lane == 0) mbar_arrive(&s.empty[last]);
     }
@@ -626,7 +646,8 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
     float l[2], inv_l[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      l[r] = frag::quad_sum(softmax.l[r]);
+      // The MMA's row sum is already the whole row's; the softmax's are the quad's partials.
+      l[r] = kRowSumInMma ? softmax.l[r] : frag::quad_sum(softmax.l[r]);
       inv_l[r] = l[r] > 0.f ? __frcp_rn(l[r]) : 0.f;
     }
     T* out_head = static_cast<T*>(p.out) + b * p.o_stride_b + h * p.o_stride_h;

@@ -45,7 +45,8 @@ inline void write_trace(int d, unsigned grid_ctas, cudaStream_t stream) {
 template <int D, class T, PVPath Path, KScales KS, bool SmoothQ, bool QStage>
 void launch_attention_kernel(const AttentionParams& p, const AttentionMaps& maps, cudaStream_t stream) {
   auto* kernel = attention_kernel<D, T, Path, KS, SmoothQ, QStage>;
-  const size_t smem = sizeof(SharedStorage<D, v_bytes(Path), QStage>) + 1024;  // + slack to align the base to 1024
+  // + slack to align the base to 1024
+  const size_t smem = sizeof(SharedStorage<D, v_bytes(Path), QStage, v_ones_rows(D, Path)>) + 1024;
   static std::once_flag attribute_set;
   static cudaError_t attribute_error = cudaSuccess;
   std::call_once(attribute_set, [&] {

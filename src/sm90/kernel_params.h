@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "sage/quant_rules.h"
 #include "sage/recipe.h"
 #include "sage/tile.h"
 
@@ -41,6 +42,12 @@ enum class PVPath : int {
 };
 // Bytes per element of the transposed V tile each path streams.
 constexpr int v_bytes(PVPath path) { return path == PVPath::fp16 ? 2 : 1; }
+// Rows of E4M3 ones under each V stage (RowSum::pv_mma: the PV MMA's extra n8 block sums P),
+// where the kernel takes the row sum from the PV MMA: the two-level E4M3 path from head dim
+// rules::kRowSumMmaMinHeadDim (the dispatch holds recipes to rules::row_sum_in_pv_mma).
+constexpr int v_ones_rows(int head_dim, PVPath path) {
+  return path == PVPath::e4m3_two_level && head_dim >= rules::kRowSumMmaMinHeadDim ? 8 : 0;
+}
 // Whether a kernel variant has a second instantiation with the Q stage (q_stage.cuh): the
 // SageAttention2 default path without Q smoothing (whose tile mean and dS the consumers
 // compute). Only there, to keep the instantiations and compile time in check; the other

@@ -21,6 +21,10 @@
 //                               group; frags and acc belong to the MMA until it is waited for
 //   fold(o, acc, frags, alpha)  after the wait: o = o * alpha (the online-softmax rescale of
 //                               rows g, g + 8) + the tile's product
+//   kOnesRows                   rows of ones under the V tile (kernel_params.h, v_ones_rows):
+//                               where > 0 the MMA's extra n8 block is the tile's row sum of
+//                               the quantized P, and fold_row_sum(l, acc, alpha) folds it into
+//                               the softmax's l (RowSum::pv_mma) in place of the softmax's sum
 
 #pragma once
 
@@ -92,18 +96,20 @@ struct PVOperand;
 template <int D>
 struct PVOperand<D, PVPath::e4m3_two_level> {
   static constexpr int kVBytes = 1;
+  static constexpr int kOnesRows = v_ones_rows(D, PVPath::e4m3_two_level);
+  static constexpr int kN = D + kOnesRows;  // the MMA's n: V's channels, then the ones
   struct Fragments { uint32_t a[kBlockKV / 32][4]; };
-  struct Accumulator { float c[D / 2]; };
+  struct Accumulator { float c[kN / 2]; };
   __device__ __forceinline__ static void pack(const float (&p)[kBlockKV / 2], Fragments& f,
                                               int32_t (&code_sum)[2]) {
     pack_p_8bit<kBlockKV>(p, f.a, code_sum, E4m3Pair{});
   }
   __device__ __forceinline__ static void issue(Accumulator& acc, Fragments& f, uint32_t v_desc) {
     wgmma_fence();
-    mma_e4m3_rs<D, false>(acc.c, f.a[0], v8_slice(v_desc, 0));
+    mma_e4m3_rs<kN, false>(acc.c, f.a[0], v8_slice(v_desc, 0));
 #pragma unroll
     for (int kc = 1; kc < kBlockKV / 32; ++kc)
-      mma_e4m3_rs<D, true>(acc.c, f.a[kc], v8_slice(v_desc, kc));
+      mma_e4m3_rs<kN, true>(acc.c, f.a[kc], v8_slice(v_desc, kc));
     wgmma_commit();
   }
   __device__ __forceinline__ static void fold(float (&o)[D / 2], Accumulator& acc, Fragments& f,
@@ -112,6 +118,15 @@ struct PVOperand<D, PVPath::e4m3_two_level> {
     reg_fence(f.a);
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] = o[i] * alpha[frag::acc_row(i)] + acc.c[i];
+  }
+  // The ones block's entries D / 2 (row g) and D / 2 + 2 (row g + 8) hold the whole row's sum
+  // (every column of the block is the same), so l needs no quad reduction at the end. After
+  // fold (its register fence).
+  __device__ __forceinline__ static void fold_row_sum(float (&l)[2], const Accumulator& acc,
+                                                      const float (&alpha)[2]) {
+    static_assert(kOnesRows > 0, "no row sum column");
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + acc.c[D / 2 + 2 * r];
   }
 };
 
@@ -122,6 +137,7 @@ template <int D>
 struct PVOperand<D, PVPath::e4m3_fp16x2> {
   static_assert(kBlockKV == 128, "two f16 accumulators cover the tile's two 64-token pairs");
   static constexpr int kVBytes = 1;
+  static constexpr int kOnesRows = 0;
   struct Fragments { uint32_t a[kBlockKV / 32][4]; };
   struct Accumulator { uint32_t pair0[D / 4], pair1[D / 4]; };
   __device__ __forceinline__ static void pack(const float (&p)[kBlockKV / 2], Fragments& f,
@@ -167,6 +183,7 @@ struct PVOperand<D, PVPath::e4m3_fp16x2> {
 template <int D>
 struct PVOperand<D, PVPath::fp16> {
   static constexpr int kVBytes = 2;
+  static constexpr int kOnesRows = 0;
   static constexpr int kSlices = kBlockKV / 16;
   struct Fragments { uint32_t a[kSlices][4]; };
   struct Accumulator { uint32_t c[D / 4]; };
@@ -213,6 +230,7 @@ struct PVOperand<D, PVPath::fp16> {
 template <int D>
 struct PVOperand<D, PVPath::int8> {
   static constexpr int kVBytes = 1;
+  static constexpr int kOnesRows = 0;
   struct Fragments { uint32_t a[kBlockKV / 32][4]; };
   struct Accumulator { int32_t c[D / 2]; };
   __device__ __forceinline__ static void pack(const float (&p)[kBlockKV / 2], Fragments& f,

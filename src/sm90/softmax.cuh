@@ -32,12 +32,16 @@ struct OnlineSoftmax {
   // rescaled, per row, and this thread's sums of P~ * p_max per row; the caller folds a row
   // sum in with add_row_sum (these, or the quantized P's).
   //
+  // kSum: false where the PV MMA takes the row sum (RowSum::pv_mma; pv_operand.cuh): no sums,
+  // `sum` is left as it is.
+  //
   // Not done, measured: folding the logit multiplier into one FFMA with the subtraction
   // (exact before its rounding where the simulator rounds the logit first) lost whole rows
   // of P near the fp16 limit of Q and K (logits ~1e10, half an ulp of the max is 2^12), and
   // guarding it with a per-warp vote and a second loop made the kernel slower than without
   // the fold (H200: 661 vs 708 TOPS at d = 128, N = 16K). Folding p_max into the exponent
   // moved INT8 P codes enough to shift INT-FlashAttention's LSE by 4e-3.
+  template <bool kSum = true>
   __device__ __forceinline__ void update(float (&s)[kAcc], float p_max, float (&alpha)[2],
                                          float (&sum)[2]) {
     float part[2][kChains];
@@ -69,10 +73,12 @@ struct OnlineSoftmax {
     for (int i = 0; i < kAcc; ++i) {
       const int r = frag::acc_row(i);
       s[i] = __fmul_rn(fast_exp2(__fsub_rn(s[i], base[r])), p_max);
-      part[r][chain_of(i)] += s[i];
+      if constexpr (kSum) part[r][chain_of(i)] += s[i];
     }
+    if constexpr (kSum) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) sum[r] = (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
+      for (int r = 0; r < 2; ++r) sum[r] = (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
+    }
   }
 
   // The integer row max (docs/numerics.md steps 4 and 6, recipes with per-tile K scales and
@@ -102,7 +108,7 @@ struct OnlineSoftmax {
   //             in one burst and lost 10-19% (docs/performance.md v25). (Sharing the folding
   //             warp's two loops with multiply and add's, the same code, changed ptxas's d =
   //             128 schedule; this is the measured form.)
-  template <PScaleMode kMode>
+  template <PScaleMode kMode, bool kSum = true>
   __device__ __forceinline__ void update_from_int(const int32_t (&acc)[kAcc], float mult,
                                                   bool masked_tile, float p_max, float fold_k,
                                                   float fold_mult_limit, float (&p)[kAcc],
@@ -181,11 +187,13 @@ struct OnlineSoftmax {
         p[i] = __fmul_rn(fast_exp2(p[i]), p_max);
       else
         p[i] = fast_exp2(kMode == PScaleMode::add ? __fadd_rn(p[i], fold_k) : p[i]);
-      psum[frag::acc_row(i)][chain_of(i)] += p[i];
+      if constexpr (kSum) psum[frag::acc_row(i)][chain_of(i)] += p[i];
     }
+    if constexpr (kSum) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
-      sum[r] = (psum[r][0] + psum[r][1]) + (psum[r][2] + psum[r][3]);
+      for (int r = 0; r < 2; ++r)
+        sum[r] = (psum[r][0] + psum[r][1]) + (psum[r][2] + psum[r][3]);
+    }
   }
 
   __device__ __forceinline__ void add_row_sum(const float (&alpha)[2], const float (&sum)[2]) {

@@ -526,6 +526,7 @@ TEST(SimIntegerRowMax, SimulateUsesThePathTheRuleSelects) {
   for (size_t t = 0; t < k.size(); ++t) k[t] = fmt::fp16_from_bits(in.k[t]);
   Recipe int_max = preset("sage2_8b");
   int_max.smooth_k = false;
+  int_max.row_sum = RowSum::float_p;  // the float sum of P~ that this test recomputes
   Recipe logits = int_max;
   logits.qk_granularity = Granularity::per_token;
   ASSERT_TRUE(rules::integer_row_max(int_max));

@@ -598,6 +598,89 @@ TEST(SimAccumulators, Fp16AccumulatorRoundsEachK16Step) {
   EXPECT_NE(o, 17.f * 2049.f);
 }
 
+// What the sm_90 FP8 MMA returned for these rows (bench/probe_fp8_accum.cu on the H200, V of
+// ones, accumulator preloaded with C): small products beside a large term lose the bits
+// below 13 fraction bits of it, each on its own, so 31 of them can vanish entirely.
+TEST(SimAccumulators, Fp8MmaTruncatesEachTermToTheLargest) {
+  struct Case {
+    float c, big, x, gpu;
+  } cases[] = {
+      {0.f, 448.f, 0x1p-7f, 448.f},        // the old model: 448.21875 (the exact sum truncated)
+      {0.f, 448.f, 0x1p-9f, 448.f},        // old: 448.03125
+      {0.f, 448.f, 0x1p-5f, 448.96875f},   // on the grid: kept
+      {0.f, -448.f, -0x1p-7f, -448.f},     // toward zero for negative terms too
+      {0.f, 16.f, 0x1p-9f, 16.060546875f}, // a smaller leading term: a finer grid
+      {4096.f, 0.375f, 0.375f, 4096.f},    // the accumulator is a term: old 4108
+      {65536.f, 1.f, 1.f, 65536.f},        // old 65568
+  };
+  for (const Case& k : cases) {
+    reference::sim::PTile p;
+    p.values.assign(32, k.x);
+    p.values[0] = k.big;
+    reference::sim::VOperand ones;
+    ones.n = 32, ones.d = 1;
+    ones.values.assign(32, 1.f);
+    reference::sim::AccumScratch sc;
+    float o = k.c;  // fp22: the accumulator runs across steps (alpha 1 keeps it)
+    reference::sim::accumulate_tile(PVAccum::fp22, p, ones, 0, 1.f, &o, sc);
+    EXPECT_EQ(o, k.gpu) << "C " << k.c << " big " << k.big << " x " << k.x;
+  }
+}
+
+// RowSum::pv_mma's contract: the tile's row sum is what the PV accumulator makes of one more V
+// channel of ones, with its k32 steps and FP22 truncation (not the float sum of the codes).
+TEST(SimAccumulators, PvMmaRowSumIsAChannelOfOnes) {
+  reference::sim::PTile p;
+  for (int t = 0; t < 100; ++t)  // E4M3 values from 2^-9 to 448, 100 tokens: four k32 steps
+    p.values.push_back(fmt::e4m3_decode(uint8_t((t * 37) % 0x7F)));
+  p.values[0] = 448.f, p.values[1] = 0x1p-9f;  // truncated away inside the first step
+  reference::sim::VOperand ones;
+  ones.n = 100, ones.d = 3;
+  ones.values.assign(300, 1.f);
+  reference::sim::AccumScratch sc;
+  float o[3] = {0.f, 0.f, 0.f};
+  reference::sim::accumulate_tile(PVAccum::two_level, p, ones, 0, 0.f, o, sc);
+  const float sum = reference::sim::pv_mma_row_sum(PVAccum::two_level, p);
+  for (float c : o) EXPECT_EQ(c, sum);
+  double exact = 0.0;
+  for (float x : p.values) exact += x;
+  EXPECT_NE(double(sum), exact) << "the FP8 MMA's steps should round this sum";
+  // Each term is truncated toward zero: a sum of positive P never comes out above its value.
+  EXPECT_LT(double(sum), exact);
+  EXPECT_GT(double(sum), exact * (1 - 0x1p-8));
+  EXPECT_THROW(reference::sim::pv_mma_row_sum(PVAccum::fp32, p), std::logic_error);
+}
+
+// Where the recipe takes the MMA's row sum (rules::row_sum_in_pv_mma), and that elsewhere
+// pv_mma is float_p bit for bit.
+TEST(SimAccumulators, PvMmaRowSumRule) {
+  const Recipe& s2 = preset("sage2_8b");
+  EXPECT_EQ(s2.row_sum, RowSum::pv_mma);
+  EXPECT_TRUE(rules::row_sum_in_pv_mma(s2, 128));
+  EXPECT_FALSE(rules::row_sum_in_pv_mma(s2, 64));
+  Recipe r = s2;
+  r.row_sum = RowSum::float_p;
+  EXPECT_FALSE(rules::row_sum_in_pv_mma(r, 128));
+  r = preset("sage2pp_8b");
+  r.row_sum = RowSum::pv_mma;
+  EXPECT_FALSE(rules::row_sum_in_pv_mma(r, 128)) << "fp16x2 accumulation has no such kernel";
+  r = s2;
+  r.pv_format = PVFormat::e5m2;
+  EXPECT_FALSE(rules::row_sum_in_pv_mma(r, 128));
+  Recipe float_sum = s2;
+  float_sum.row_sum = RowSum::float_p;
+  for (int64_t d : {64, 128}) {
+    const SyntheticInputs in = reference::make_synthetic("v_bias", shape(2, 1, 200, 300, d), 1);
+    const Result a = simulate(s2, in, true), b = simulate(float_sum, in, true);
+    if (d == 64) {
+      EXPECT_EQ(a.out, b.out);
+      EXPECT_EQ(a.lse, b.lse);
+    } else {
+      EXPECT_NE(a.lse, b.lse) << "d = 128 should sum the quantized P";
+    }
+  }
+}
+
 // SageAttention2's reason for two-level accumulation: FP22 over a whole long row loses
 // accuracy that one FP32 add per KV tile keeps.
 TEST(SimAccumulators, TwoLevelBeatsFp22OverLongRows) {

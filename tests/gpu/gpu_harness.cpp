@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "reference/synthetic.h"
+#include "sage/quant_rules.h"
 #include "reference/tensor_io.h"
 #include "sage/formats.h"
 #include "sage/recipe.h"
@@ -58,6 +59,10 @@ Recipe GpuCase::recipe_options() const {
     r.p_range = p_range;
     r.name += "+p_range";
   }
+  if (float_row_sum) {
+    r.row_sum = RowSum::float_p;
+    r.name += "+float_row_sum";
+  }
   return r;
 }
 
@@ -67,6 +72,7 @@ std::string GpuCase::describe() const {
   std::ostringstream os;
   os << recipe << (v_per_channel ? "+v_per_channel" : "");
   if (p_range > 0.f) os << " p_range " << p_range;
+  if (float_row_sum) os << " float_row_sum";
   os << " "
      << (prequantized() ? std::string("i8->") : std::string()) << dtype_name(dtype) << " "
      << layout_name(layout) << (strided ? " strided" : "") << " B" << batch << " Hq" << heads_q
@@ -110,6 +116,15 @@ std::string GpuCase::describe() const {
 //     codes as in sage2_8b (int_flash*: no smoothing mean, so Q/K codes are the same bits);
 //     P's step is 1/127 of P~ while the only perturbation of P~ is ex2.approx's (~2^-22
 //     relative), so P flips are rarer than E4M3 ones. No change.
+//   * Quantized row sums (int_flash*, RowSum::quantized_p; the SageAttention2 presets from
+//     head dim 128, RowSum::pv_mma): l sums the P codes themselves, so a P flip moves l, and
+//     the LSE, where a float row sum would not see it. A flip of a large P in a sharp row
+//     moved one LSE by 1.2e-3 of 3200 rows (sage2_8b, normal, seed 8, H200), and the rest of
+//     that case stayed within 1e-6: such rows are counted, not bounded by lse_sim
+//     (expect_within_bounds). With the old accumulator model (each k32 step's exact sum,
+//     then FP22) l was 0.67% off on `sink`: every small P beside a large one loses its low
+//     bits in the tensor core, which docs/numerics.md step 9 now models; a systematic
+//     difference like that would show in every row and fail the count.
 Bounds bounds_for(const std::string& recipe) {
   const Bounds base{0.99999, 5e-3, 1e-3};
   Bounds b = base;
@@ -133,7 +148,19 @@ void expect_within_bounds(const GpuCase& c, const GpuResult& r) {
   EXPECT_GE(r.vs_exact.cosine, r.sim_vs_exact.cosine - (1 - b.sim_cosine)) << c.describe();
   EXPECT_LE(r.vs_exact.rel_l1, r.sim_vs_exact.rel_l1 + b.sim_rel_l1) << c.describe();
   if (c.with_lse) {
-    EXPECT_LE(r.lse_max_abs_vs_sim, b.lse_sim) << c.describe();
+    const Recipe recipe = c.recipe_options();
+    const bool quantized_sum = recipe.row_sum == RowSum::quantized_p ||
+                               rules::row_sum_in_pv_mma(recipe, int(c.head_dim));
+    if (quantized_sum) {
+      // One P code flip (above) moves a quantized row sum by one code step of that P, at most
+      // 1/8 of it (E4M3's 3 mantissa bits; INT8's 1/127 of p_max is less), so the row's LSE by
+      // at most log(1 + 1/8); one row in a thousand may show it (at least one per case).
+      const int64_t rows = int64_t(r.lse.size());
+      EXPECT_LE(r.lse_rows_beyond, std::max<int64_t>(1, rows / 1000)) << c.describe();
+      EXPECT_LE(r.lse_max_abs_vs_sim, std::log1p(0.125)) << c.describe();
+    } else {
+      EXPECT_LE(r.lse_max_abs_vs_sim, b.lse_sim) << c.describe();
+    }
     EXPECT_LE(r.lse_max_abs_vs_exact, r.lse_sim_vs_exact + b.lse_sim) << c.describe();
   }
 }
@@ -440,8 +467,14 @@ void compute_references(const CaseTensors& t, GpuResult& res) {
       if (std::isinf(a) && std::isinf(b) && (a < 0) == (b < 0)) return 0.0;
       return std::fabs(double(a) - double(b));
     };
+    const double bound = bounds_for(c.recipe).lse_sim;
     for (size_t i = 0; i < res.lse.size(); ++i) {
-      res.lse_max_abs_vs_sim = std::max(res.lse_max_abs_vs_sim, diff(res.lse[i], sim_lse[i]));
+      const double vs_sim = diff(res.lse[i], sim_lse[i]);
+      res.lse_max_abs_vs_sim = std::max(res.lse_max_abs_vs_sim, vs_sim);
+      if (vs_sim > bound) {
+        ++res.lse_rows_beyond;
+        continue;
+      }
       res.lse_max_abs_vs_exact = std::max(res.lse_max_abs_vs_exact, diff(res.lse[i], ex_lse[i]));
       res.lse_sim_vs_exact = std::max(res.lse_sim_vs_exact, diff(sim_lse[i], ex_lse[i]));
     }

@@ -46,11 +46,12 @@ struct GpuCase {
   std::string recipe = "sage2_8b";
   bool v_per_channel = false;  // prequantized recipes: V scale per channel instead of per tensor
   float p_range = 0.f;         // > 0: the recipe's p_range instead of the preset's
+  bool float_row_sum = false;  // row_sum float_p instead of the preset's
   std::string distribution = "normal";  // a synthetic distribution, or "zeros", "huge"
   uint64_t seed = 0;
   std::string describe() const;
   // The Recipe this case runs: the preset, with v_scale per channel when v_per_channel and
-  // p_range when set.
+  // p_range and row_sum float_p when set.
   Recipe recipe_options() const;
   bool prequantized() const;
 };
@@ -59,6 +60,9 @@ struct GpuResult {
   reference::ErrorStats vs_sim, vs_exact;
   reference::ErrorStats sim_vs_exact;  // the recipe's own error on these inputs
   double lse_max_abs_vs_sim = 0, lse_max_abs_vs_exact = 0, lse_sim_vs_exact = 0;
+  // Rows whose LSE is further than bounds_for(recipe).lse_sim from the simulator's; the two
+  // vs-exact maxima above leave them out (expect_within_bounds says when any may exist).
+  int64_t lse_rows_beyond = 0;
   int64_t unwritten = 0;           // output elements still holding the poison pattern
   std::vector<uint16_t> out_bits;  // the raw output storage, for bit-identity checks
   std::vector<float> lse;          // the raw LSE (when the case asks for it)

@@ -380,6 +380,32 @@ TEST(Sm90Attention, RandomizedAgainstSimulator) {
   expect_cases_within_bounds(cases);
 }
 
+// RowSum::pv_mma (the SageAttention2 presets): from d = 128 the kernel sums P in its PV MMA,
+// which every preset case above checks against the simulator's model of that sum. Below d =
+// 128 the recipe sums the float P~, so float_p runs there and gives the same bits; at d = 128
+// float_p has no kernel and is refused by name, not run with the other sum.
+TEST(Sm90Attention, RowSumFromThePvMma) {
+  SAGE_REQUIRE_GPU();
+  for (const char* name : {"sage2_8b", "sage2_4b"}) {
+    GpuCase c;
+    c.recipe = name, c.head_dim = 64, c.n_q = 300, c.n_kv = 333, c.causal = true;
+    c.float_row_sum = true;
+    const GpuResult float_sum = run_gpu_case(c, false);
+    c.float_row_sum = false;
+    const GpuResult mma_rule = run_gpu_case(c, false);
+    EXPECT_EQ(float_sum.out_bits, mma_rule.out_bits) << c.describe();
+    EXPECT_EQ(float_sum.lse, mma_rule.lse) << c.describe();
+    c.head_dim = 128, c.float_row_sum = true;
+    try {
+      run_gpu_case(c, false);
+      ADD_FAILURE() << c.describe() << " ran with the PV MMA's row sum";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), "recipe.row_sum");
+      EXPECT_NE(std::string(e.what()).find("pv_mma"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(Sm90Attention, UnsupportedRecipeIsRefusedByName) {
   SAGE_REQUIRE_GPU();
   for (const std::string& name : cpu_only_presets()) {
