@@ -84,7 +84,10 @@ void attention_from_quantized_kv(const AttentionArgs& args, const void* workspac
                                  size_t workspace_size, void* stream);
 
 // Whether `recipe` has an sm_90 kernel (the same rule attention() applies; it refuses any
-// other recipe with an error that names what is missing). False in a CPU-only build.
+// other recipe with an error that names what is missing). False in a CPU-only build. The one
+// condition that needs the head dim is not part of it: on the two-level E4M3 path the kernel
+// takes the row sum from its PV MMA from d = 128, so there attention() refuses row_sum float_p
+// or quantized_p ("recipe.row_sum"; rules::row_sum_in_pv_mma).
 bool gpu_supports(const Recipe& recipe);
 
 // True when this build has GPU kernels and a device of compute capability 9.0 is present.

@@ -525,15 +525,15 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
                       const float (&p_sum)[2]) {
       int32_t code_sum[2] = {0, 0};
       PV::pack(sc, pa, code_sum);
-      if constexpr (kRowSumInMma) {
-        // fold_pv adds the MMA's row sum
-      } else if (Path == PVPath::int8 && p.quantized_row_sum) {
-        // INT-FlashAttention: the denominator sums the quantized P (the codes, which are in
-        // the row sum's units of P~ * p_max).
-        const float q_sum[2] = {float(code_sum[0]), float(code_sum[1])};
-        softmax.add_row_sum(alpha, q_sum);
-      } else {
-        softmax.add_row_sum(alpha, p_sum);
+      if constexpr (!kRowSumInMma) {  // else fold_pv adds the MMA's row sum
+        if (Path == PVPath::int8 && p.quantized_row_sum) {
+          // INT-FlashAttention: the denominator sums the quantized P (the codes, which are in
+          // the row sum's units of P~ * p_max).
+          const float q_sum[2] = {float(code_sum[0]), float(code_sum[1])};
+          softmax.add_row_sum(alpha, q_sum);
+        } else {
+          softmax.add_row_sum(alpha, p_sum);
+        }
       }
     };
 
