@@ -6,13 +6,19 @@ the GPU time of its kernels (docs/performance.md, "Python protocol against sage 
                  waits for the previous one), so the events also hold the host time between
                  the start event and the first kernel;
   back to back   the C++ `sage bench` way: the calls are queued without waiting, so each start
-                 event fires when the previous call's kernels end.
+                 event fires when the previous call's kernels end;
+  queued         synchronized, but the start event is queued behind a GPU sleep longer than
+                 the host's work, so the call's kernels are already queued when it fires: the
+                 GPU time of one call on a GPU that was idle just before, without the host time.
+Also per call: the host time (the call's return after its launches) in the synchronized mode,
+and the GPU time of its kernels alone (the profiler's kernel durations, summed).
 
 Shapes as bench_sdpa.py (32 heads, batch = 32K / N, fp16, HND, two input sets alternating).
 Needs a CUDA build of sagekit (scripts/python_gpu_install.sh); `scripts/gpu_run.sh timingmodes`
 runs it. Prints one line per call and mode: median ms and TOPS of 20 timings after 5 warm-ups.
 """
 import argparse
+import time
 
 import torch
 import torch.nn.functional as F
@@ -20,20 +26,43 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import sagekit
 
+# ~0.5 ms at the H100/H200's clocks: longer than any call's host time.
+SLEEP_CYCLES = 1_000_000
 
-def timings(fn, iters, synchronized):
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def timings(fn, iters, mode):
+    """Median event ms of fn in a mode (above), and the median host ms of its calls."""
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
           for _ in range(iters)]
+    host = []
     torch.cuda.synchronize()
     for i, (a, b) in enumerate(ev):
+        if mode == "queued":
+            torch.cuda._sleep(SLEEP_CYCLES)
         a.record()
+        t0 = time.perf_counter()
         fn(i)
+        host.append((time.perf_counter() - t0) * 1e3)
         b.record()
-        if synchronized:
+        if mode != "back to back":
             b.synchronize()
     torch.cuda.synchronize()
-    ms = sorted(a.elapsed_time(b) for a, b in ev)
-    return ms[len(ms) // 2]
+    return median([a.elapsed_time(b) for a, b in ev]), median(host)
+
+
+def kernel_ms(fn, iters):
+    """The GPU durations of a call's kernels, summed, averaged over synchronized calls."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):
+            fn(i)
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if str(e.device_type).endswith("CUDA")]
+    return sum(e.device_time_total for e in kernels) / iters / 1e3
 
 
 def main():
@@ -63,10 +92,17 @@ def main():
             for name, fn in calls.items():
                 for i in range(5):
                     fn(i)
-                for mode, sync in (("synchronized", True), ("back to back", False)):
-                    ms = timings(fn, args.iters, sync)
+                for mode in ("synchronized", "queued", "back to back"):
+                    ms, host = timings(fn, args.iters, mode)
                     print(f"d={d:<4} N={n:<6} {name:<22} {mode:<13} {ms:8.3f} ms "
-                          f"{ops / ms / 1e9:7.1f} TOPS", flush=True)
+                          f"{ops / ms / 1e9:7.1f} TOPS  host {host:6.3f} ms", flush=True)
+                try:
+                    ms = kernel_ms(fn, args.iters)
+                except Exception as e:  # the profiler's event API moves between torch versions
+                    print(f"d={d:<4} N={n:<6} {name:<22} kernels: profiler failed: {e}", flush=True)
+                    continue
+                print(f"d={d:<4} N={n:<6} {name:<22} {'kernels':<13} {ms:8.3f} ms "
+                      f"{ops / ms / 1e9:7.1f} TOPS  (profiler, summed)", flush=True)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,10 @@ Recipe GpuCase::recipe_options() const {
     r.row_sum = RowSum::float_p;
     r.name += "+float_row_sum";
   }
+  if (no_smooth_k) {
+    r.smooth_k = false;
+    r.name += "+no_smooth_k";
+  }
   return r;
 }
 
@@ -73,6 +77,7 @@ std::string GpuCase::describe() const {
   os << recipe << (v_per_channel ? "+v_per_channel" : "");
   if (p_range > 0.f) os << " p_range " << p_range;
   if (float_row_sum) os << " float_row_sum";
+  if (no_smooth_k) os << " no_smooth_k";
   os << " "
      << (prequantized() ? std::string("i8->") : std::string()) << dtype_name(dtype) << " "
      << layout_name(layout) << (strided ? " strided" : "") << " B" << batch << " Hq" << heads_q

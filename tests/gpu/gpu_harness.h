@@ -47,11 +47,12 @@ struct GpuCase {
   bool v_per_channel = false;  // prequantized recipes: V scale per channel instead of per tensor
   float p_range = 0.f;         // > 0: the recipe's p_range instead of the preset's
   bool float_row_sum = false;  // row_sum float_p instead of the preset's
+  bool no_smooth_k = false;    // K not smoothed (the Q stage then also runs with the LSE)
   std::string distribution = "normal";  // a synthetic distribution, or "zeros", "huge"
   uint64_t seed = 0;
   std::string describe() const;
-  // The Recipe this case runs: the preset, with v_scale per channel when v_per_channel and
-  // p_range and row_sum float_p when set.
+  // The Recipe this case runs: the preset, with v_scale per channel when v_per_channel, and
+  // p_range, row_sum float_p and smooth_k off when set.
   Recipe recipe_options() const;
   bool prequantized() const;
 };

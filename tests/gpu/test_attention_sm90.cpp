@@ -296,13 +296,16 @@ TEST(Sm90Attention, ChainedWorkItemsPerCta) {
 }
 
 // The Q stage (sm90/q_stage.cuh) against the consumers' prologue (q_operand.cuh): the same
-// codes and scales by construction, so every output bit must agree. The stage takes a CTA's
-// items after its first, one item ahead in two buffers, so items are chained (2 and 3 per
-// CTA: one buffer, then both reused); the
-// shapes give partial last Q tiles (rows past n_q arrive from TMA as zeros), d = 64 (192-row
-// tiles, three consumer warpgroups) and 128, fp16 and bf16, HND and NHD, for every GPU preset
-// (those without the stage must simply agree with themselves). The launches that took the stage are
-// counted, so the comparison cannot pass with the stage never taken.
+// codes and scales by construction, so every output and LSE bit must agree. The stage takes a
+// CTA's items after its first, one item ahead in two buffers, so items are chained (2, 3 and 5
+// per CTA: one buffer, both reused, several rounds), in both of work_order.h's orders. The
+// shapes give partial last Q tiles (rows past n_q arrive from TMA as zeros), items of uneven
+// length and items with no K/V tile (causal, n_q > n_kv), heads changing inside a CTA's run
+// (GQA, batch), d = 64 (192-row tiles, three consumer warpgroups) and 128, fp16 and bf16, HND
+// and NHD, for every GPU preset (those without the stage must simply agree with themselves,
+// once). The stage is not taken for the LSE under K smoothing (q . mean(K) needs raw Q), so
+// the LSE goes through it with K smoothing off. The launches that took the stage are counted,
+// so the comparison cannot pass with the stage never taken.
 TEST(Sm90Attention, QStageMatchesConsumerPrologue) {
   SAGE_REQUIRE_GPU();
 #ifdef SAGE_WITH_CUDA
@@ -316,9 +319,17 @@ TEST(Sm90Attention, QStageMatchesConsumerPrologue) {
     c.n_q = c.n_kv = 1000, c.causal = true, c.heads_q = 4, c.heads_kv = 2, c.batch = 2;
     c.with_lse = false;
     shapes.push_back(c);
+    c.with_lse = true, c.no_smooth_k = true;
+    shapes.push_back(c);
     c = GpuCase{};
     c.n_q = 700, c.n_kv = 300, c.head_dim = 64, c.dtype = DType::bf16, c.layout = Layout::NHD;
     c.heads_q = 3, c.heads_kv = 1, c.with_lse = false;
+    shapes.push_back(c);
+    c = GpuCase{};
+    c.n_q = 700, c.n_kv = 300, c.causal = true, c.heads_q = 3, c.heads_kv = 1;
+    c.with_lse = true, c.no_smooth_k = true;
+    shapes.push_back(c);
+    c.head_dim = 64;
     shapes.push_back(c);
     c = GpuCase{};
     c.n_q = 130, c.n_kv = 1100, c.head_dim = 64, c.batch = 3, c.with_lse = false;
@@ -328,23 +339,34 @@ TEST(Sm90Attention, QStageMatchesConsumerPrologue) {
   for (const Variant& v : variants()) {
     for (GpuCase c : shapes) {
       c.recipe = v.recipe, c.v_per_channel = v.v_per_channel;
-      for (int items : {2, 3}) {
-        PinnedWorkItems pinned(items);
-        GpuResult prologue, stage;
-        {
-          PinnedQStage off(sm90::QStageOverride::off);
-          prologue = run_gpu_case(c, false);
+      bool staged = true;  // whether this recipe and shape take the stage (the first run says)
+      for (const auto order : {sm90::WorkOrderOverride::consecutive, sm90::WorkOrderOverride::grouped})
+        for (int items : {2, 3, 5}) {
+          // A variant that did not take the stage runs the same kernel both ways: its first
+          // comparison is all there is to check.
+          if (!staged) continue;
+          const int64_t launches_before = sm90::q_stage_launches();
+          PinnedWorkItems pinned(items, order);
+          GpuResult prologue, stage;
+          {
+            PinnedQStage off(sm90::QStageOverride::off);
+            prologue = run_gpu_case(c, false);
+          }
+          {
+            PinnedQStage on(sm90::QStageOverride::on);
+            stage = run_gpu_case(c, false);
+          }
+          const std::string where =
+              c.describe() + ", " + std::to_string(items) + " items per CTA, " +
+              (order == sm90::WorkOrderOverride::grouped ? "grouped" : "consecutive") + " order";
+          EXPECT_EQ(stage.out_bits, prologue.out_bits) << where;
+          EXPECT_EQ(stage.lse, prologue.lse) << where;
+          staged = sm90::q_stage_launches() > launches_before;
         }
-        {
-          PinnedQStage on(sm90::QStageOverride::on);
-          stage = run_gpu_case(c, false);
-        }
-        EXPECT_EQ(stage.out_bits, prologue.out_bits) << c.describe() << ", " << items << " items per CTA";
-      }
     }
   }
-  // sage2_8b (per-thread Q groups) takes the stage on all 3 shapes x 2 item counts at least.
-  EXPECT_GE(sm90::q_stage_launches() - staged_before, 6);
+  // sage2_8b (per-thread Q groups) takes the stage on all 6 shapes x 2 orders x 3 item counts.
+  EXPECT_GE(sm90::q_stage_launches() - staged_before, 36);
 #endif
 }
 
