@@ -241,6 +241,10 @@ class PinnedWorkItems {
     sm90::set_work_order_override(sm90::WorkOrderOverride::automatic);
   }
 };
+
+const char* order_name(sm90::WorkOrderOverride order) {
+  return order == sm90::WorkOrderOverride::grouped ? "grouped" : "consecutive";
+}
 #endif
 
 // Several work items (Q tiles) per CTA: the producer's ring carries over from one item to the
@@ -281,11 +285,10 @@ TEST(Sm90Attention, ChainedWorkItemsPerCta) {
         for (int items : {2, 3, 5}) {
           PinnedWorkItems chained(items, order);
           const GpuResult r = run_gpu_case(c, false);
-          const char* order_name = order == sm90::WorkOrderOverride::grouped ? "grouped" : "consecutive";
           EXPECT_EQ(r.out_bits, single.out_bits)
-              << c.describe() << ", " << items << " items per CTA, " << order_name << " order";
+              << c.describe() << ", " << items << " items per CTA, " << order_name(order) << " order";
           EXPECT_EQ(r.lse, single.lse)
-              << c.describe() << ", " << items << " items per CTA, " << order_name << " order";
+              << c.describe() << ", " << items << " items per CTA, " << order_name(order) << " order";
         }
       chained_cases.push_back(c);
     }
@@ -356,9 +359,8 @@ TEST(Sm90Attention, QStageMatchesConsumerPrologue) {
             PinnedQStage on(sm90::QStageOverride::on);
             stage = run_gpu_case(c, false);
           }
-          const std::string where =
-              c.describe() + ", " + std::to_string(items) + " items per CTA, " +
-              (order == sm90::WorkOrderOverride::grouped ? "grouped" : "consecutive") + " order";
+          const std::string where = c.describe() + ", " + std::to_string(items) +
+                                    " items per CTA, " + order_name(order) + " order";
           EXPECT_EQ(stage.out_bits, prologue.out_bits) << where;
           EXPECT_EQ(stage.lse, prologue.lse) << where;
           staged = sm90::q_stage_launches() > launches_before;
