@@ -257,8 +257,7 @@ void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVar
   ap.causal = args.causal, ap.smooth_k = r.smooth_k, ap.smooth_v = r.smooth_v;
   ap.smooth_q = r.smooth_q;
   ap.quantized_row_sum = r.row_sum == RowSum::quantized_p;
-  ap.items_per_cta = sm90::items_per_cta(ap);  // after every field it reads
-  ap.grouped_order = sm90::use_grouped_order(ap, D, sm90::v_bytes(v.path));
+  ap.work = sm90::work_schedule(ap, D, sm90::v_bytes(v.path));  // after every field it reads
   ap.kv = quantized_kv_at(ws, w);
   ap.q_stage = sm90::take_q_stage(ap, sm90::q_stage_capable(v.path, v.smooth_q), D);
   const sm90::AttentionMaps maps = sm90::make_attention_maps(ap, D, sm90::v_bytes(v.path));

@@ -140,15 +140,14 @@ struct RingCursor {
   }
 };
 
-// A CTA's unit of work: one Q tile of one (batch, head). Items are numbered head-major
-// (work_order.h says which CTA runs which); causal Q tiles of a head are numbered heaviest
-// first (the diagonal's far end carries the most K/V tiles).
+// A CTA's unit of work: one Q tile of one (batch, head), the one at a slot of the CTA's
+// sequence (work_order.h says which CTA runs which, in what order).
 struct WorkItem {
   int q_tile, h, b;
 };
-__device__ __forceinline__ WorkItem work_item(const AttentionParams& p, int w) {
-  const int q_index = w % p.n_q_tiles, hb = w / p.n_q_tiles;
-  return {p.causal ? p.n_q_tiles - 1 - q_index : q_index, hb % p.heads_q, hb / p.heads_q};
+__device__ __forceinline__ WorkItem work_item(const AttentionParams& p, int slot) {
+  const WorkItemRef item = item_at(p.work, slot);
+  return {item.q_tile, item.hb % p.heads_q, item.hb / p.heads_q};
 }
 
 // T: the output dtype (and the input dtype of fp16/bf16 Q). Path: the PV operand policy.
@@ -180,13 +179,12 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
   auto& s = *reinterpret_cast<SharedStorage<D, PV::kVBytes, kQStage, PV::kOnesRows>*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
-  // Up to items_per_cta items (sm90/schedule.cu), in work_order.h's order: the producer
-  // streams the K/V tiles of all of them through one ring, so the next item's first tiles are
-  // loaded while the consumers run the last one's epilogue, and the next item's Q rows are
-  // prefetched into L2 (below); no CTA exit and launch between items. All consumer
-  // warpgroups work on the same item, within a stage or two of each other.
-  const CtaItems mine =
-      cta_items(p.n_q_tiles, p.heads_q * p.batch, p.items_per_cta, p.grouped_order, blockIdx.x);
+  // The CTA's items (sm90/schedule.cu), in work_order.h's order: the producer streams the K/V
+  // tiles of all of them through one ring, so the next item's first tiles are loaded while the
+  // consumers run the last one's epilogue, and the next item's Q rows are prefetched into L2
+  // (below); no CTA exit and launch between items. All consumer warpgroups work on the same
+  // item, within a stage or two of each other.
+  const CtaSlots mine = cta_slots(p.work, blockIdx.x);
   const int warpgroup = threadIdx.x / 128;
   const int group_size = p.heads_q / p.heads_kv;
 
@@ -223,7 +221,7 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
     const int stage_thread = threadIdx.x - 32;
     trace::Recorder trace_event(4, stage_thread == 0);
     if (stage_thread == 0) prefetch_tma_descriptor(&tma_q);
-    const int step = item_step(p.n_q_tiles, p.grouped_order);
+    const int step = slot_step(p.work);
     int k = 1;
     for (int w = mine.begin + step; w < mine.end; w += step, ++k) {
       const WorkItem item = work_item(p, w);
@@ -255,7 +253,7 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
       // A V tile row is kBlockKV * VBytes bytes: one 128-byte swizzle span per TMA box.
       constexpr int kVBoxes = PV::kVBytes;
       int fill = 0;  // K/V tiles put into the ring so far, over all items
-      for (int w = mine.begin; w < mine.end; w += item_step(p.n_q_tiles, p.grouped_order)) {
+      for (int w = mine.begin; w < mine.end; w += slot_step(p.work)) {
         const WorkItem item = work_item(p, w);
         const int hk = item.h / group_size;
         const int k_row0 = (item.b * p.heads_kv + hk) * p.n_pad;
@@ -303,8 +301,7 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
   const bool q_staged = kQStage && p.q_stage;  // items after the first come from the stage
   int item_index = 0;  // of this CTA's items: the Q buffer and the stage's barrier phases
   trace::Recorder trace_event(warpgroup, threadIdx.x % 128 == 0);
-  for (int w = mine.begin; w < mine.end;
-       w += item_step(p.n_q_tiles, p.grouped_order), ++item_index) {
+  for (int w = mine.begin; w < mine.end; w += slot_step(p.work), ++item_index) {
     // The thread's coordinates, recomputed per item from an opaque copy of its index: left
     // loop-invariant, the compiler hoisted everything the prologue and epilogue derive from
     // them (Q and output addresses, swizzled offsets) out of the item loop, where they stayed
@@ -364,7 +361,7 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
     trace_event(trace::q_ready);
     // The next item's Q rows into L2 (one 128-byte line per consumer thread, 2 per row at most),
     // so that its load in the next prologue does not wait for DRAM.
-    if (const int w_next = w + item_step(p.n_q_tiles, p.grouped_order); !q_staged && w_next < mine.end) {
+    if (const int w_next = w + slot_step(p.work); !q_staged && w_next < mine.end) {
       const WorkItem next = work_item(p, w_next);
       const int row = next.q_tile * kBlockQ + (threadIdx.x - 128) % kBlockQ;
       const int line = (threadIdx.x - 128) / kBlockQ;

@@ -54,7 +54,7 @@ void launch_attention_kernel(const AttentionParams& p, const AttentionMaps& maps
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   });
   if (attribute_error != cudaSuccess) throw_cuda("cudaFuncSetAttribute(attention)", attribute_error);
-  const dim3 grid(unsigned(cta_count(p.n_q_tiles, p.heads_q * p.batch, p.items_per_cta, p.grouped_order)));
+  const dim3 grid(unsigned(p.work.ctas));
   kernel<<<grid, CtaShape<D>::kThreads, smem, stream>>>(maps.k, maps.v, maps.q, p);
 #if SAGE_SM90_TRACE
   write_trace(D, grid.x, stream);

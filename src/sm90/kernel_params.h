@@ -7,6 +7,7 @@
 #include "sage/quant_rules.h"
 #include "sage/recipe.h"
 #include "sage/tile.h"
+#include "sm90/work_order.h"
 
 namespace sage::sm90 {
 
@@ -104,12 +105,6 @@ struct AttentionParams {
   float* lse;  // optional
   int64_t lse_stride_b, lse_stride_h, lse_stride_n;
   int batch, heads_q, heads_kv, n_q, n_kv, n_pad, n_q_tiles;
-  // Work items (Q tiles of a (batch, head), attention_kernel.cuh's work_item order) that one
-  // CTA runs one after the other; set by the dispatch from items_per_cta (schedule.h).
-  int items_per_cta;
-  // Which CTA runs which items (work_order.h): the grouped order, or the consecutive one.
-  // Set by the dispatch from use_grouped_order (schedule.h).
-  bool grouped_order;
   float sm_scale, sm_scale_log2;
   float p_max;  // P~ is scaled by this before its conversion (448, 127, 1 for fp16, or p_range)
   // P's scale in the integer row max's exponent: rules::p_scale_fold(p_max).
@@ -128,6 +123,12 @@ struct AttentionParams {
   // Set by the dispatch (schedule.h, use_q_stage); the codes and scales are the same bits.
   bool q_stage;
   QuantizedKV kv;
+  // Which CTA runs which work items (Q tiles of a (batch, head)), in what order, and the grid
+  // (work_order.h); set by the dispatch from work_schedule (schedule.h). Last, so that the
+  // fields above keep their offsets' alignment: placed where two fields of 8 bytes were, its 20
+  // bytes split 64-bit constant loads of later field pairs in two and moved ptxas's K/V loop
+  // schedule (SASS).
+  WorkSchedule work;
 };
 
 }  // namespace sage::sm90

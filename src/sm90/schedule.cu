@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <string>
 
+#include "sage/error.h"
 #include "sm90/tma_maps.h"
 
 namespace sage::sm90 {
@@ -78,7 +80,15 @@ int l2_bytes() { return device_attribute<cudaDevAttrL2CacheSize>("L2 cache size"
 
 void set_items_per_cta_override(int items) { g_items_override.store(std::max(0, items)); }
 
-int items_per_cta(const AttentionParams& p) {
+namespace {
+
+// The causal launches that take the strided order (automatic_order), by their average K/V
+// tiles per item: at most this many at d = 128, at least this many at d = 64.
+constexpr int kStridedCausalMaxTiles128 = 16;
+constexpr int kStridedCausalMinTiles64 = 5;
+
+// Items per CTA in the consecutive and grouped orders.
+int chunked_items_per_cta(const AttentionParams& p) {
   if (const int forced = g_items_override.load(); forced > 0) return forced;
   const int target = cta_tiles_target(p.causal);
   if (target == 0) return 1;
@@ -97,18 +107,77 @@ int items_per_cta(const AttentionParams& p) {
 // only (+4% whole call); d = 64, N = 1K (17 MB): grouped -3% kernel only, so consecutive
 // stays; N >= 4K (a few heads in flight either way): within 1%. Causal launches keep the
 // consecutive order, which balances the diagonal's uneven items.
-bool use_grouped_order(const AttentionParams& p, int head_dim, int v_bytes) {
-  switch (g_order_override.load()) {
-    case WorkOrderOverride::consecutive: return false;
-    case WorkOrderOverride::grouped: return true;
-    case WorkOrderOverride::automatic: break;
-  }
+bool chunked_grouped(const AttentionParams& p, int per_cta, int head_dim, int v_bytes) {
   if (p.causal) return false;
   const int64_t resident_ctas = sm_count();
   const int64_t heads_in_flight = std::min<int64_t>(
-      resident_ctas, std::max<int64_t>(1, resident_ctas * p.items_per_cta / p.n_q_tiles));
+      resident_ctas, std::max<int64_t>(1, resident_ctas * per_cta / p.n_q_tiles));
   const int64_t head_kv_bytes = int64_t(p.n_pad) * head_dim * (1 + v_bytes);  // INT8 K, V
   return heads_in_flight * head_kv_bytes > l2_bytes() / 2;
+}
+
+// The strided order (one CTA per SM, each paying a CTA's first item once) against the
+// chunked ones, kernel alone, same-run A/B (H200, bench/results/h200_v28_ab_2026-11-25.md):
+// d = 128 +2.9% / +3.6% / +0.6% / -0.3% at N = 1K / 2K / 4K / 16K, causal +5.3% / +6.6% /
+// +4.4% / -1.9%; d = 64 +0.7% .. +2.4%, causal -4.0% / +0.5% / +2.2% / +1.6%. Its units run to
+// the end with no dynamic scheduling to even out the last round (up to ~3% of the kernel where
+// CTAs run 23-31 units, as in both losses), so the chunked orders keep the causal launches
+// where it lost: long items at d = 128 (more than 16 K/V tiles on average: no Q stage, so little
+// to save on first items) and the shortest at d = 64 (4 or fewer).
+WorkOrder automatic_order(const AttentionParams& p, int per_cta, int head_dim, int v_bytes) {
+  // SAGE_SM90_WORK_ORDER (A/B runs): strided everywhere, or chunked (the consecutive and
+  // grouped orders by their rule) everywhere.
+  static const int forced = [] {
+    const char* env = std::getenv("SAGE_SM90_WORK_ORDER");
+    if (env == nullptr) return 0;
+    if (std::string(env) == "strided") return 1;
+    if (std::string(env) == "chunked") return 2;
+    throw Error("SAGE_SM90_WORK_ORDER", std::string("must be strided or chunked (got '") + env + "')");
+  }();
+  const int tiles = average_item_tiles(p);
+  const bool chunked_wins =
+      p.causal && (head_dim <= 64 ? tiles < kStridedCausalMinTiles64 : tiles > kStridedCausalMaxTiles128);
+  if (forced == 1 || (forced == 0 && !chunked_wins)) return WorkOrder::strided;
+  return chunked_grouped(p, per_cta, head_dim, v_bytes) ? WorkOrder::grouped : WorkOrder::consecutive;
+}
+
+}  // namespace
+
+WorkSchedule work_schedule(const AttentionParams& p, int head_dim, int v_bytes) {
+  WorkSchedule s{};
+  s.n_q_tiles = p.n_q_tiles;
+  s.head_batches = p.heads_q * p.batch;
+  s.causal = p.causal;
+  const int per_cta = chunked_items_per_cta(p);
+  switch (g_order_override.load()) {
+    case WorkOrderOverride::consecutive: s.order = WorkOrder::consecutive; break;
+    case WorkOrderOverride::grouped: s.order = WorkOrder::grouped; break;
+    case WorkOrderOverride::strided: s.order = WorkOrder::strided; break;
+    case WorkOrderOverride::automatic: s.order = automatic_order(p, per_cta, head_dim, v_bytes); break;
+  }
+  if (s.order == WorkOrder::strided) {
+    const int64_t units = strided_units(s);
+    int64_t ctas = std::min<int64_t>(sm_count(), units);
+    if (const int forced = g_items_override.load(); forced > 0) {
+      const int items_per_unit = s.causal && s.n_q_tiles > 1 ? 2 : 1;
+      const int64_t units_per_cta = std::max(1, forced / items_per_unit);
+      ctas = (units + units_per_cta - 1) / units_per_cta;
+    }
+    s.ctas = int(std::max<int64_t>(1, ctas));
+    s.per_cta = int((units + s.ctas - 1) / s.ctas);  // units
+    return s;
+  }
+  s.per_cta = per_cta;
+  const int64_t items = int64_t(s.n_q_tiles) * s.head_batches;
+  s.ctas = int(s.order == WorkOrder::grouped
+                   ? (int64_t(s.head_batches) + per_cta - 1) / per_cta * s.n_q_tiles
+                   : (items + per_cta - 1) / per_cta);
+  return s;
+}
+
+int items_per_cta(const WorkSchedule& s) {
+  if (s.order != WorkOrder::strided) return s.per_cta;
+  return s.per_cta * (s.causal && s.n_q_tiles > 1 ? 2 : 1);
 }
 
 void set_work_order_override(WorkOrderOverride order) { g_order_override.store(order); }
@@ -125,7 +194,7 @@ bool use_q_stage(const AttentionParams& p, bool capable, int head_dim) {
   const bool short_items =
       average_item_tiles(p) <= (head_dim <= 64 ? kQStageMaxItemTiles64 : kQStageMaxItemTiles128);
   // One item per CTA leaves the stage nothing to do (it starts at a CTA's second item).
-  const bool possible = capable && p.items_per_cta > 1 && p.q_scale == nullptr && !p.smooth_q &&
+  const bool possible = capable && items_per_cta(p.work) > 1 && p.q_scale == nullptr && !p.smooth_q &&
                         (p.q_granularity == Granularity::per_thread ||
                          p.q_granularity == Granularity::per_token) &&
                         !(p.lse != nullptr && p.smooth_k) && q_tma_compatible(p);

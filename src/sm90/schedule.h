@@ -7,21 +7,22 @@
 
 namespace sage::sm90 {
 
-// Work items one CTA runs one after the other (AttentionParams::items_per_cta), for the
-// current device. Tuning override: the environment variable SAGE_SM90_CTA_TILES (read once)
-// sets the K/V tiles a CTA aims for (default 64, 16 under a causal mask: schedule.cu); 0 gives
-// one item per CTA.
-int items_per_cta(const AttentionParams& p);
+// The launch's work order and grid (AttentionParams::work; work_order.h), for the current
+// device, from the problem's fields of p (set them first). head_dim, v_bytes: the kernel's D
+// and bytes per stored V element, which size a head's K/V. Tuning overrides, read once: the
+// environment variable SAGE_SM90_WORK_ORDER (strided, or chunked: the consecutive and grouped
+// orders by the rule they had before the strided one) and, for the chunked orders,
+// SAGE_SM90_CTA_TILES, the K/V tiles a CTA aims for (default 64, 16 under a causal mask:
+// schedule.cu; 0 gives one item per CTA).
+WorkSchedule work_schedule(const AttentionParams& p, int head_dim, int v_bytes);
 
-// Whether the launch uses work_order.h's grouped order (else the consecutive one), for the
-// current device: call after items_per_cta is set. head_dim, v_bytes: the kernel's D and
-// bytes per stored V element, which size a head's K/V.
-bool use_grouped_order(const AttentionParams& p, int head_dim, int v_bytes);
+// The most items one CTA of the schedule runs.
+int items_per_cta(const WorkSchedule& s);
 
 // Whether the launch quantizes Q in the Q stage (q_stage.cuh; AttentionParams::q_stage) rather
 // than in the consumers' prologue: the same codes and scales either way, so this is a choice of
 // speed only. Taken where the variant has the stage (capable), CTAs run more than one item
-// (items_per_cta: set it first), items are short (schedule.cu: the measured rule) and the
+// (AttentionParams::work: set it first), items are short (schedule.cu: the measured rule) and the
 // launch allows it: Q in
 // fp16/bf16 (not prequantized) with per-thread or per-token groups, a view TMA can read, and
 // no LSE under K smoothing (q . mean(K) is computed from raw Q in the prologue). Overrides: the
@@ -32,11 +33,12 @@ bool use_q_stage(const AttentionParams& p, bool capable, int head_dim);
 bool take_q_stage(const AttentionParams& p, bool capable, int head_dim);
 
 // Tests: every later launch runs this many items per CTA (0 returns to the choice above), so
-// that chained items can be checked on shapes too small to chain by themselves.
+// that chained items can be checked on shapes too small to chain by themselves. In the strided
+// order: the grid is cut to as few CTAs as take this many items each (rounded to whole units).
 void set_items_per_cta_override(int items);
 
 // Tests: every later launch uses this order (automatic returns to the choice above).
-enum class WorkOrderOverride { automatic, consecutive, grouped };
+enum class WorkOrderOverride { automatic, consecutive, grouped, strided };
 void set_work_order_override(WorkOrderOverride order);
 
 // Tests: every later launch takes the Q stage where it can (on), never (off), or as

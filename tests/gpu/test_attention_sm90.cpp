@@ -243,16 +243,28 @@ class PinnedWorkItems {
 };
 
 const char* order_name(sm90::WorkOrderOverride order) {
-  return order == sm90::WorkOrderOverride::grouped ? "grouped" : "consecutive";
+  switch (order) {
+    case sm90::WorkOrderOverride::consecutive: return "consecutive";
+    case sm90::WorkOrderOverride::grouped: return "grouped";
+    case sm90::WorkOrderOverride::strided: return "strided";
+    case sm90::WorkOrderOverride::automatic: break;
+  }
+  return "automatic";
 }
+
+// work_order.h's orders, for the tests that run each.
+constexpr sm90::WorkOrderOverride kEveryOrder[] = {sm90::WorkOrderOverride::consecutive,
+                                                   sm90::WorkOrderOverride::grouped,
+                                                   sm90::WorkOrderOverride::strided};
 #endif
 
 // Several work items (Q tiles) per CTA: the producer's ring carries over from one item to the
 // next, so each item must still see its own tiles, in order. The test shapes are too small
 // for the launch to chain items by itself, so the count is pinned: every output and LSE bit
 // must equal one item per CTA, and the chained run must stay within the simulator bounds
-// (which also checks that every output element is written). Both of work_order.h's orders
-// run every shape. The shapes give items of uneven length (causal), items with no K/V tile
+// (which also checks that every output element is written). Each of work_order.h's orders
+// runs every shape (in the strided one the pinned count is rounded to whole units: pairs of
+// causal items). The shapes give items of uneven length (causal), items with no K/V tile
 // (n_q > n_kv, causal), heads changing inside a CTA's run (GQA, batch), and an item count
 // that the items per CTA do not divide (in the grouped order, a last, partial group of
 // heads).
@@ -278,10 +290,10 @@ TEST(Sm90Attention, ChainedWorkItemsPerCta) {
       c.recipe = v.recipe, c.v_per_channel = v.v_per_channel;
       GpuResult single;
       {
-        PinnedWorkItems one(1);
+        PinnedWorkItems one(1, sm90::WorkOrderOverride::consecutive);
         single = run_gpu_case(c, false);
       }
-      for (const auto order : {sm90::WorkOrderOverride::consecutive, sm90::WorkOrderOverride::grouped})
+      for (const auto order : kEveryOrder)
         for (int items : {2, 3, 5}) {
           PinnedWorkItems chained(items, order);
           const GpuResult r = run_gpu_case(c, false);
@@ -301,7 +313,7 @@ TEST(Sm90Attention, ChainedWorkItemsPerCta) {
 // The Q stage (sm90/q_stage.cuh) against the consumers' prologue (q_operand.cuh): the same
 // codes and scales by construction, so every output and LSE bit must agree. The stage takes a
 // CTA's items after its first, one item ahead in two buffers, so items are chained (2, 3 and 5
-// per CTA: one buffer, both reused, several rounds), in both of work_order.h's orders. The
+// per CTA: one buffer, both reused, several rounds), in each of work_order.h's orders. The
 // shapes give partial last Q tiles (rows past n_q arrive from TMA as zeros), items of uneven
 // length and items with no K/V tile (causal, n_q > n_kv), heads changing inside a CTA's run
 // (GQA, batch), d = 64 (192-row tiles, three consumer warpgroups) and 128, fp16 and bf16, HND
@@ -343,7 +355,7 @@ TEST(Sm90Attention, QStageMatchesConsumerPrologue) {
     for (GpuCase c : shapes) {
       c.recipe = v.recipe, c.v_per_channel = v.v_per_channel;
       bool staged = true;  // whether this recipe and shape take the stage (the first run says)
-      for (const auto order : {sm90::WorkOrderOverride::consecutive, sm90::WorkOrderOverride::grouped})
+      for (const auto order : kEveryOrder)
         for (int items : {2, 3, 5}) {
           // A variant that did not take the stage runs the same kernel both ways: its first
           // comparison is all there is to check.
@@ -472,15 +484,18 @@ TEST(Sm90Sanitize, ChainedWorkItems) {
   SAGE_REQUIRE_GPU();
 #ifdef SAGE_WITH_CUDA
   // Causal items in the grouped order (not a choice the launch makes by itself): CTAs whose
-  // items differ in length, from several heads.
-  PinnedWorkItems chained(3, sm90::WorkOrderOverride::grouped);
-  expect_cases_within_bounds(for_every_variant([](const GpuCase& base, std::vector<GpuCase>& out) {
-    for (int64_t d : {64, 128}) {
-      GpuCase c = base;
-      c.heads_q = 4, c.heads_kv = 2, c.n_q = 700, c.n_kv = 300, c.causal = true, c.head_dim = d;
-      out.push_back(c);
-    }
-  }));
+  // items differ in length, from several heads; and in the strided order, pairs of items from
+  // several heads per CTA.
+  for (const auto order : {sm90::WorkOrderOverride::grouped, sm90::WorkOrderOverride::strided}) {
+    PinnedWorkItems chained(order == sm90::WorkOrderOverride::strided ? 4 : 3, order);
+    expect_cases_within_bounds(for_every_variant([](const GpuCase& base, std::vector<GpuCase>& out) {
+      for (int64_t d : {64, 128}) {
+        GpuCase c = base;
+        c.heads_q = 4, c.heads_kv = 2, c.n_q = 700, c.n_kv = 300, c.causal = true, c.head_dim = d;
+        out.push_back(c);
+      }
+    }));
+  }
 #endif
 }
 
