@@ -46,7 +46,7 @@ enum class WorkOrder : uint8_t { consecutive, grouped, strided };
 
 struct WorkSchedule {
   int n_q_tiles, head_batches;
-  int per_cta;  // consecutive and grouped: items a CTA runs (at most)
+  int per_cta;  // items a CTA runs at most (consecutive, grouped); units (strided: the grid decides)
   int ctas;     // the grid
   WorkOrder order;
   bool causal;
