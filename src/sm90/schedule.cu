@@ -168,10 +168,7 @@ WorkSchedule work_schedule(const AttentionParams& p, int head_dim, int v_bytes) 
     return s;
   }
   s.per_cta = per_cta;
-  const int64_t items = int64_t(s.n_q_tiles) * s.head_batches;
-  s.ctas = int(s.order == WorkOrder::grouped
-                   ? (int64_t(s.head_batches) + per_cta - 1) / per_cta * s.n_q_tiles
-                   : (items + per_cta - 1) / per_cta);
+  s.ctas = int(chunked_cta_count(s));
   return s;
 }
 

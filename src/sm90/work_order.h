@@ -72,6 +72,15 @@ SAGE_HD int64_t strided_units(const WorkSchedule& s) {
   return int64_t(s.head_batches / 2) * n + (s.head_batches % 2) * (detail::head_pairs(n) + 1);
 }
 
+// The grid of the consecutive and grouped orders (per_cta set); the strided order's grid is
+// the launch's choice (schedule.cu: one CTA per SM, at most one per unit).
+SAGE_HD int64_t chunked_cta_count(const WorkSchedule& s) {
+  const int64_t items = int64_t(s.n_q_tiles) * s.head_batches;
+  return s.order == WorkOrder::grouped
+             ? (int64_t(s.head_batches) + s.per_cta - 1) / s.per_cta * s.n_q_tiles
+             : (items + s.per_cta - 1) / s.per_cta;
+}
+
 struct CtaSlots {
   int begin, end;  // slots begin, begin + slot_step, ... below end
 };

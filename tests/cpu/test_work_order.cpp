@@ -29,25 +29,18 @@ const std::vector<Shape>& shapes() {
   return v;
 }
 
-// The schedule the launch would build (schedule.cu's grid arithmetic), with `ctas` CTAs in the
-// strided order.
+// The schedule the launch would build, with `strided_ctas` CTAs (at most) in the strided order.
 WorkSchedule schedule(const Shape& s, WorkOrder order, bool causal, int strided_ctas = 132) {
   WorkSchedule w{};
   w.n_q_tiles = s.n_q_tiles, w.head_batches = s.head_batches, w.per_cta = s.per_cta;
   w.order = order, w.causal = causal;
-  const int items = s.n_q_tiles * s.head_batches;
-  switch (order) {
-    case WorkOrder::consecutive: w.ctas = (items + s.per_cta - 1) / s.per_cta; break;
-    case WorkOrder::grouped:
-      w.ctas = (s.head_batches + s.per_cta - 1) / s.per_cta * s.n_q_tiles;
-      break;
-    case WorkOrder::strided: {
-      const int units = int(strided_units(w));
-      w.ctas = std::min(strided_ctas, units);
-      w.per_cta = (units + w.ctas - 1) / w.ctas;
-      break;
-    }
+  if (order != WorkOrder::strided) {
+    w.ctas = int(chunked_cta_count(w));
+    return w;
   }
+  const int units = int(strided_units(w));
+  w.ctas = std::min(strided_ctas, units);
+  w.per_cta = (units + w.ctas - 1) / w.ctas;
   return w;
 }
 
