@@ -27,6 +27,7 @@ struct BenchConfig {
   int64_t heads = 32, kv_heads = 32, tokens = 32768;
   int64_t warmup = 5, iters = 30;
   bool split = false;  // also time the two steps (quantize_kv, attention_from_quantized_kv) alone
+  int64_t k_mean_stride = 0;  // > 0: instead of each preset's (recipe.k_mean_stride)
   std::string json;
 };
 
@@ -165,7 +166,8 @@ int run_grid(const BenchConfig& c) {
           const bool causal = cs == "yes";
           for (size_t ri = 0; ri < c.recipes.size(); ++ri) {
             const std::string& rn = c.recipes[ri];
-            const Recipe& recipe = preset(rn);
+            Recipe recipe = preset(rn);
+            if (c.k_mean_stride > 0) recipe.k_mean_stride = int(c.k_mean_stride);
             std::ostringstream what;
             what << rn << " " << dts << " d=" << d << " causal=" << cs << " N=" << n;
             progress.step(what.str());
@@ -174,7 +176,8 @@ int run_grid(const BenchConfig& c) {
             JsonRecord rec;
             rec.str("impl", "sagekit").str("recipe", rn).integer("d", d).boolean("causal", causal)
                 .integer("n", n).integer("batch", batch).integer("heads", c.heads)
-                .integer("kv_heads", c.kv_heads).str("dtype", dts).boolean("whole_call", true);
+                .integer("kv_heads", c.kv_heads).str("dtype", dts).boolean("whole_call", true)
+                .integer("k_mean_stride", recipe.k_mean_stride);
             try {
               std::vector<AttentionArgs> args;
               for (const Inputs& in : sets)
@@ -283,6 +286,8 @@ int run_bench(const std::vector<std::string>& args) {
        {"warmup", "W", "untimed calls before timing each point (default 5)"},
        {"iters", "I", "timed calls per point; the median is reported (default 30)"},
        {"split", "", "also time the two steps alone: the K/V pre-pass and the attention kernel"},
+       {"k-mean-stride", "S", "take K smoothing's mean over every S-th key instead of each preset's "
+                              "stride (recipes that smooth K)"},
        {"json", "FILE", "also write every point as a JSON record"}},
       args);
   if (flags.help()) {
@@ -303,6 +308,13 @@ int run_bench(const std::vector<std::string>& args) {
                      std::to_string(c.kv_heads) + " and " + std::to_string(c.heads) + ")");
   c.tokens = flags.integer("tokens", 32768, 1, int64_t(1) << 26);
   c.split = flags.has("split");
+  if (flags.has("k-mean-stride")) {
+    c.k_mean_stride = flags.integer("k-mean-stride", 0, 1, int64_t(1) << 20);
+    for (const std::string& rn : c.recipes)
+      if (!preset(rn).smooth_k)
+        throw UsageError("sage bench: --k-mean-stride applies to recipes that smooth K; " + rn +
+                         " does not");
+  }
   const std::string dtype = flags.choice("dtype", "fp16", {"fp16", "bf16", "both"});
   c.dtypes = dtype == "both" ? std::vector<std::string>{"fp16", "bf16"}
                              : std::vector<std::string>{dtype};

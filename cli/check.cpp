@@ -106,7 +106,9 @@ int run_check(const std::vector<std::string>& args) {
        {"p-range", "P", "scale P~ to [0, P] before quantizing it, instead of the preset's range "
                         "(recipes whose P has a static scale)"},
        {"row-sum", "float_p|quantized_p", "what the softmax denominator sums, instead of the "
-                                          "preset's choice"}},
+                                          "preset's choice"},
+       {"k-mean-stride", "S", "take K smoothing's mean over every S-th key (1: every key), "
+                              "instead of the preset's stride (recipes that smooth K)"}},
       args);
   if (flags.help()) {
     flags.print_help(std::cout);
@@ -134,8 +136,11 @@ int run_check(const std::vector<std::string>& args) {
   const std::string row_sum = flags.has("row-sum")
                                   ? flags.choice("row-sum", "float_p", {"float_p", "quantized_p", "pv_mma"})
                                   : "";
+  const int64_t k_mean_stride =
+      flags.has("k-mean-stride") ? flags.integer("k-mean-stride", 0, 1, int64_t(1) << 20) : 0;
   std::string changed;
   if (p_range > 0) changed += " p_range=" + std::to_string(p_range);
+  if (k_mean_stride > 0) changed += " k_mean_stride=" + std::to_string(k_mean_stride);
   if (!row_sum.empty()) changed += " row_sum=" + row_sum;
   auto checked_recipe = [&](const std::string& name) {
     Recipe r = preset(name);
@@ -144,6 +149,12 @@ int run_check(const std::vector<std::string>& args) {
         throw UsageError("sage check: --p-range applies to recipes whose P has a static scale; " +
                          name + "'s has none");
       r.p_range = float(p_range);
+    }
+    if (k_mean_stride > 0) {
+      if (!r.smooth_k)
+        throw UsageError("sage check: --k-mean-stride applies to recipes that smooth K; " + name +
+                         " does not");
+      r.k_mean_stride = int(k_mean_stride);
     }
     if (!row_sum.empty())
       r.row_sum = row_sum == "quantized_p" ? RowSum::quantized_p
@@ -222,6 +233,7 @@ int run_check(const std::vector<std::string>& args) {
             .boolean("causal", shape.causal).integer("seed", static_cast<int64_t>(shape.seed))
             .str("dtype", "fp16");
         if (p_range > 0) r.integer("p_range", p_range);
+        if (k_mean_stride > 0) r.integer("k_mean_stride", k_mean_stride);
         if (!row_sum.empty()) r.str("row_sum", row_sum);
         return r;
       };

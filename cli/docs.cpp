@@ -76,9 +76,12 @@ std::string qk_words(const Recipe& r, int head_dim) {
     case Granularity::microscale: break;
   }
   os << ".";
-  if (r.smooth_k)
-    os << " K is smoothed: its mean over tokens is subtracted first (exact, since softmax is "
-          "shift-invariant per row).";
+  if (r.smooth_k) {
+    os << " K is smoothed: its mean over ";
+    if (r.k_mean_stride > 1) os << "every " << r.k_mean_stride << "th key";
+    else os << "tokens";
+    os << " is subtracted first (exact, since softmax is shift-invariant per row).";
+  }
   if (r.smooth_q)
     os << " Q is smoothed: each Q tile's mean is subtracted, and its product with K is added "
           "back to the scores.";

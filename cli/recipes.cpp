@@ -20,7 +20,8 @@ std::string range_text(float r) {
 bool is_default_recipe(const Recipe& r) {
   const Recipe d{};
   return r.qk_format == d.qk_format && r.qk_granularity == d.qk_granularity &&
-         r.smooth_k == d.smooth_k && r.smooth_q == d.smooth_q && r.smooth_v == d.smooth_v &&
+         r.smooth_k == d.smooth_k && r.k_mean_stride == d.k_mean_stride &&
+         r.smooth_q == d.smooth_q && r.smooth_v == d.smooth_v &&
          r.pv_format == d.pv_format && r.p_scale == d.p_scale && r.v_scale == d.v_scale &&
          r.pv_accum == d.pv_accum && r.p_range == d.p_range && r.v_range == d.v_range &&
          r.row_sum == d.row_sum && r.inputs == d.inputs;
@@ -31,7 +32,7 @@ RecipeColumns recipe_columns(const Recipe& r) {
   c.qk = std::string(to_string(r.qk_format)) + " " + to_string(r.qk_granularity);
   std::vector<std::string> sm;
   if (r.smooth_q) sm.push_back("Q");
-  if (r.smooth_k) sm.push_back("K");
+  if (r.smooth_k) sm.push_back(r.k_mean_stride > 1 ? "K (mean of every " + std::to_string(r.k_mean_stride) + "th key)" : "K");
   if (r.smooth_v) sm.push_back("V");
   c.smoothing = sm.empty() ? "none" : join(sm, "+");
   c.p = std::string(to_string(r.pv_format));

@@ -110,23 +110,30 @@ if has ab; then
     [ -x build-ab-$side/cli/sage ] || { tail -20 "$OUT/ab_build_$side.log"; exit 1; }
   done
   IFS=';' read -r -a envs <<< "${ENVS:-new=}"
+  # A side's "VAR=value ... -- flags" passes the flags to `sage bench` (e.g. "-- --k-mean-stride 1").
+  bench_flags=
   bench() {
     timeout 150 "$@" bench --recipe $recipe --d 64,128 --n ${AB_N:-1024,4096,16384} \
-      --causal ${AB_CAUSAL:-no} --dtype ${AB_DTYPE:-fp16} --iters 20 ${AB_SPLIT:+--split} 2>&1 |
-      grep -E "^ *recipe|^$recipe"
+      --causal ${AB_CAUSAL:-no} --dtype ${AB_DTYPE:-fp16} --iters 20 ${AB_SPLIT:+--split} \
+      $bench_flags 2>&1 | grep -E "^ *recipe|^$recipe"
+  }
+  side_vars() {  # sets vars and bench_flags from one ENVS / OLD_ENVS entry's value
+    vars=$1 bench_flags=
+    if [[ " $vars " == *" -- "* ]]; then bench_flags=${vars#*-- }; vars=${vars%%--*}; fi
   }
   IFS=';' read -r -a old_envs <<< "${OLD_ENVS:-old=}"
   for round in 1 2; do
     for kv in "${old_envs[@]}"; do
-      name=${kv%%=*}; vars=${kv#*=}
+      name=${kv%%=*}; side_vars "${kv#*=}"
       echo "-- $name (old build): $vars (round $round)" | tee -a "$OUT/ab.txt"
       bench env $vars build-ab-old/cli/sage | tee -a "$OUT/ab.txt"
     done
     for kv in "${envs[@]}"; do
-      name=${kv%%=*}; vars=${kv#*=}
+      name=${kv%%=*}; side_vars "${kv#*=}"
       echo "-- $name: $vars (round $round)" | tee -a "$OUT/ab.txt"
       bench env $vars build-ab-new/cli/sage | tee -a "$OUT/ab.txt"
     done
+    bench_flags=
     for kv in "${ab_knobs[@]}"; do
       name=${kv%%=*}
       echo "-- $name (this tree, ${kv#*=}) (round $round)" | tee -a "$OUT/ab.txt"

@@ -129,4 +129,8 @@ inline float p_static_max(const Recipe& r) { return r.p_range > 0.f ? r.p_range 
 // V per-channel / per-tensor scaling maps max|V'_c| to v_range when set, else the format max.
 inline float v_static_max(const Recipe& r) { return r.v_range > 0.f ? r.v_range : pv_format_max(r.pv_format); }
 
+// The keys K smoothing's mean is taken over with a stride: 0, stride, ..., at least one while
+// n > 0.
+SAGE_HD int64_t k_mean_samples(int64_t n, int stride) { return (n + stride - 1) / stride; }
+
 }  // namespace sage::rules

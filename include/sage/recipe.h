@@ -86,6 +86,13 @@ struct Recipe {
   QKFormat qk_format = QKFormat::int8;
   Granularity qk_granularity = Granularity::per_thread;
   bool smooth_k = true;   // subtract the mean of K over tokens (exact: softmax is shift-invariant)
+  // K smoothing's mean over keys 0, s, 2s, ... for s = k_mean_stride (1: every key, as the
+  // papers; sage2_8b takes 8). Any vector shared by all keys keeps softmax exact, so the stride
+  // changes only how well K is centred before quantization, and the GPU's statistics pass
+  // reads 1/s of K. A parameter of K smoothing: without smooth_k there is no mean and it does
+  // nothing (the Python and spec parsers set it to 1 then, and refuse a stride > 1 given with
+  // smooth_k false).
+  int k_mean_stride = 8;
   bool smooth_q = false;  // subtract the per-Q-block mean; add back dS = mean(Q_blk) K^T
   bool smooth_v = false;  // subtract the mean of V over tokens; add it back to the output
   PVFormat pv_format = PVFormat::e4m3;

@@ -14,6 +14,8 @@ RecipeLike = Union[str, Dict[str, Any]]
 
 # Keys presets() adds for people; they are derived from the options.
 _DESCRIPTIVE = ("paper", "summary")
+# The spellings of False the library's option parser accepts (python/src/recipes.cpp).
+_FALSE = (False, "false", "False", "0")
 
 
 def presets() -> List[Dict[str, Any]]:
@@ -37,6 +39,10 @@ def recipe(base: Optional[RecipeLike] = None, **options: Any) -> Dict[str, Any]:
         return resolved
     merged = {k: v for k, v in resolved.items() if k not in _DESCRIPTIVE and k != "name"}
     merged.update(options)
+    if "k_mean_stride" not in options and options.get("smooth_k") in _FALSE:
+        # The base's stride belongs to its K smoothing: turned off here, it lapses (passed on,
+        # it would read as a stride given with smooth_k false, which the library refuses).
+        merged.pop("k_mean_stride", None)
     return _C.resolve_recipe(merged)
 
 

@@ -4,6 +4,7 @@
 #include "recipes.h"
 
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <sstream>
 #include <vector>
@@ -105,6 +106,19 @@ bool parse_bool(const std::string& key, const Value& v) {
   throw sage::Error("recipe." + key, "must be True or False (got " + describe(v) + ")");
 }
 
+int parse_positive_int(const std::string& key, const Value& v) {
+  double x = v.x;
+  bool ok = v.kind == Value::number;
+  if (v.kind == Value::text && !v.s.empty()) {
+    char* end = nullptr;
+    x = std::strtod(v.s.c_str(), &end);
+    ok = end && *end == '\0';
+  }
+  if (!ok || !(x >= 1 && x <= double(INT32_MAX)) || x != std::floor(x))
+    throw sage::Error("recipe." + key, "must be a whole number >= 1 (got " + describe(v) + ")");
+  return static_cast<int>(x);
+}
+
 float parse_float(const std::string& key, const Value& v) {
   double x = v.x;
   bool ok = v.kind == Value::number;
@@ -118,16 +132,17 @@ float parse_float(const std::string& key, const Value& v) {
   return static_cast<float>(x);
 }
 
-const char* const kOptions[] = {"qk_format", "qk_granularity", "smooth_k", "smooth_q",
-                                "smooth_v",  "pv_format",      "p_scale",  "v_scale",
-                                "pv_accum",  "p_range",        "v_range",  "row_sum",
-                                "inputs"};
+const char* const kOptions[] = {"qk_format", "qk_granularity", "smooth_k", "k_mean_stride",
+                                "smooth_q",  "smooth_v",       "pv_format", "p_scale",
+                                "v_scale",   "pv_accum",       "p_range",  "v_range",
+                                "row_sum",   "inputs"};
 
 // Sets one option; returns false for an unknown key.
 bool set_option(sage::Recipe& r, const std::string& key, const Value& v) {
   if (key == "qk_format") r.qk_format = parse_enum<sage::QKFormat>(key, v);
   else if (key == "qk_granularity") r.qk_granularity = parse_enum<sage::Granularity>(key, v);
   else if (key == "smooth_k") r.smooth_k = parse_bool(key, v);
+  else if (key == "k_mean_stride") r.k_mean_stride = parse_positive_int(key, v);
   else if (key == "smooth_q") r.smooth_q = parse_bool(key, v);
   else if (key == "smooth_v") r.smooth_v = parse_bool(key, v);
   else if (key == "pv_format") r.pv_format = parse_enum<sage::PVFormat>(key, v);
@@ -144,8 +159,8 @@ bool set_option(sage::Recipe& r, const std::string& key, const Value& v) {
 
 bool same_options(const sage::Recipe& a, const sage::Recipe& b) {
   return a.qk_format == b.qk_format && a.qk_granularity == b.qk_granularity &&
-         a.smooth_k == b.smooth_k && a.smooth_q == b.smooth_q && a.smooth_v == b.smooth_v &&
-         a.pv_format == b.pv_format && a.p_scale == b.p_scale && a.v_scale == b.v_scale &&
+         a.smooth_k == b.smooth_k && a.k_mean_stride == b.k_mean_stride &&
+         a.smooth_q == b.smooth_q && a.smooth_v == b.smooth_v && a.pv_format == b.pv_format && a.p_scale == b.p_scale && a.v_scale == b.v_scale &&
          a.pv_accum == b.pv_accum && a.p_range == b.p_range && a.v_range == b.v_range &&
          a.row_sum == b.row_sum && a.inputs == b.inputs;
 }
@@ -168,6 +183,17 @@ sage::Recipe build(const std::string* base, const std::string* name,
     seen.push_back(key);
     if (!set_option(r, key, value))
       throw sage::Error("recipe", "unknown option '" + key + "' (options: " + option_list() + ")");
+  }
+  // k_mean_stride is a parameter of K smoothing: with smoothing off, the base's stride (e.g.
+  // sage2_8b's 8) lapses to 1, and a stride > 1 given here would do nothing, so it is refused.
+  if (!r.smooth_k) {
+    bool stride_given = false;
+    for (const std::string& s : seen) stride_given = stride_given || s == "k_mean_stride";
+    if (stride_given && r.k_mean_stride > 1)
+      throw sage::Error("recipe.k_mean_stride",
+                        "applies to K smoothing's mean, and this recipe has smooth_k false (got " +
+                            std::to_string(r.k_mean_stride) + ")");
+    r.k_mean_stride = 1;
   }
   if (name) {
     r.name = *name;
@@ -283,6 +309,7 @@ nb::dict recipe_to_dict(const sage::Recipe& r) {
   d["qk_format"] = sage::to_string(r.qk_format);
   d["qk_granularity"] = sage::to_string(r.qk_granularity);
   d["smooth_k"] = r.smooth_k;
+  d["k_mean_stride"] = r.k_mean_stride;
   d["smooth_q"] = r.smooth_q;
   d["smooth_v"] = r.smooth_v;
   d["pv_format"] = sage::to_string(r.pv_format);
@@ -300,7 +327,7 @@ std::string recipe_to_spec(const sage::Recipe& r) {
   std::ostringstream os;
   os << "name=" << r.name << ",qk_format=" << sage::to_string(r.qk_format)
      << ",qk_granularity=" << sage::to_string(r.qk_granularity)
-     << ",smooth_k=" << (r.smooth_k ? "true" : "false")
+     << ",smooth_k=" << (r.smooth_k ? "true" : "false") << ",k_mean_stride=" << r.k_mean_stride
      << ",smooth_q=" << (r.smooth_q ? "true" : "false")
      << ",smooth_v=" << (r.smooth_v ? "true" : "false")
      << ",pv_format=" << sage::to_string(r.pv_format) << ",p_scale=" << sage::to_string(r.p_scale)

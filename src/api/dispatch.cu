@@ -204,6 +204,7 @@ void run_quantize_kv(const AttentionArgs& args, const Problem& pr, const KernelV
   qp.k_granularity = r.qk_granularity;
   qp.k_max = qk_format_max(r);
   qp.smooth_k = r.smooth_k, qp.smooth_v = r.smooth_v;
+  qp.k_mean_stride = r.k_mean_stride;
   qp.pv_path = v.path;
   qp.v_per_tensor = r.v_scale == VScale::per_tensor;
   qp.v_max = rules::v_static_max(r);  // unused for fp16 V, which is not scaled

@@ -10,7 +10,7 @@ namespace {
 
 Recipe make(const char* name, QKFormat qf, Granularity qg, bool sk, bool sq, bool sv, PVFormat pf,
             PScale ps, VScale vs, PVAccum acc, float p_range = 0.f, float v_range = 0.f,
-            RowSum rs = RowSum::float_p, Inputs in = Inputs::floating) {
+            RowSum rs = RowSum::float_p, Inputs in = Inputs::floating, int k_mean_stride = 1) {
   Recipe r;
   r.name = name;
   r.qk_format = qf;
@@ -26,6 +26,7 @@ Recipe make(const char* name, QKFormat qf, Granularity qg, bool sk, bool sq, boo
   r.v_range = v_range;
   r.row_sum = rs;
   r.inputs = in;
+  r.k_mean_stride = k_mean_stride;
   return r;
 }
 
@@ -49,9 +50,13 @@ std::vector<Recipe> build_presets() {
   // accumulation. sage2_8b is the Hopper default.
   // From head dim 128 their row sum comes from the PV MMA (RowSum::pv_mma; the paper sums the
   // unquantized P, row_sum = float_p, which the Hopper kernel does only below d = 128).
+  // sage2_8b takes K smoothing's mean over every 8th key (the paper's, over every key, is
+  // k_mean_stride 1): its output error is unchanged, since FP8 P's dominates, and the GPU's
+  // statistics pass reads 1/8 of K. INT4 K and FP16 PV show the sampled mean (docs/numerics.md,
+  // "K smoothing"), so the other presets keep every key.
   v.push_back(make("sage2_8b", Q::int8, G::per_thread, true, false, false, P::e4m3,
                    PScale::static_max, VScale::per_channel, PVAccum::two_level, 0.f, 0.f,
-                   RowSum::pv_mma));
+                   RowSum::pv_mma, Inputs::floating, 8));
   v.push_back(make("sage2_8b_vsmooth", Q::int8, G::per_thread, true, false, true, P::e4m3,
                    PScale::static_max, VScale::per_channel, PVAccum::two_level, 0.f, 0.f,
                    RowSum::pv_mma));
@@ -116,6 +121,7 @@ std::string recipe_summary(const Recipe& r) {
     os << " (smooth";
     if (r.smooth_q) os << " Q";
     if (r.smooth_k) os << " K";
+    if (r.smooth_k && r.k_mean_stride > 1) os << ", K mean of every " << r.k_mean_stride << "th key";
     os << ")";
   }
   os << "; PV " << to_string(r.pv_format);
@@ -162,6 +168,9 @@ void validate_recipe(const Recipe& r) {
                                        " accumulation models the FP8 MMA and needs pv_format e4m3/e5m2");
   if (r.pv_accum == PVAccum::fp16 && r.pv_format != PVFormat::fp16)
     throw Error("recipe.pv_accum", "fp16 accumulation is defined for pv_format fp16 only");
+  if (r.k_mean_stride < 1)
+    throw Error("recipe.k_mean_stride",
+                "must be >= 1 (1: every key) (got " + std::to_string(r.k_mean_stride) + ")");
   if (r.p_range < 0 || r.v_range < 0)
     throw Error("recipe.p_range", "p_range and v_range must be >= 0 (0 means the format's default)");
   if ((r.p_range > 0 || r.v_range > 0) && !(fp8_pv || r.pv_format == PVFormat::int8))

@@ -21,14 +21,22 @@ namespace {
 constexpr int kThreads = 256;
 
 // ---- pass 1: statistics --------------------------------------------------------------------
-// One cluster of kStatsCtas CTAs per (batch, kv head): the first half reads K, the second V,
-// each CTA a stride of the head's tokens. Rank 0 combines the CTAs' sums and extremes through
-// distributed shared memory in rank order (deterministic, no atomics) and writes the head's
-// finals, so that a quantize CTA reads a few floats per channel instead of reducing partials.
+// One cluster of kStatsCtas CTAs per (batch, kv head): the first stats_k_ctas read K (its keys
+// 0, k_mean_stride, ...: recipe.k_mean_stride), the others V, each CTA a stride of the rows.
+// Rank 0 combines the CTAs' sums and extremes through distributed shared memory in rank order
+// (deterministic, no atomics) and writes the head's finals, so that a quantize CTA reads a few
+// floats per channel instead of reducing partials.
 // (v8 wrote per-chunk partials that every quantize CTA of the head reduced again: L2 reads
 // growing as N^2, 1.4 ms of pre-pass at d = 128, N = 16K on the H100 against 0.86 ms at 1K.)
 constexpr int kStatsCtas = 8;
-constexpr int kStatsPerTensor = kStatsCtas / 2;
+// The CTAs of a cluster that read K: a share of the cluster as K's sampled rows are of the
+// rows read, so that K's and V's CTAs finish together (4 of 8 for every key, 1 of 8 for
+// every 8th key, where 4 left the V CTAs reading twice as long).
+int stats_k_ctas(int k_mean_stride) {
+  const int k = (2 * kStatsCtas + k_mean_stride + 1) / (2 * (k_mean_stride + 1));
+  return k < 1 ? 1 : k > kStatsCtas / 2 ? kStatsCtas / 2 : k;
+}
+
 // Rows in flight per thread: 8 (60 registers, still four CTAs per SM) against 4 took the
 // pre-pass from 0.371 to 0.358 ms at d = 128, N = 1K (H200, v20, same-run A/B).
 constexpr int kStatsUnroll = 8;
@@ -131,34 +139,38 @@ __global__ void __cluster_dims__(kStatsCtas, 1, 1) __launch_bounds__(kThreads, 4
   namespace cg = cooperative_groups;
   constexpr int kLanesPerRow = D / 8;
   constexpr int kRowsPerIter = kThreads / kLanesPerRow;
-  constexpr int kStep = kRowsPerIter * kStatsPerTensor;  // tokens between a thread's rows
-  cg::cluster_group cluster = cg::this_cluster();
-  const int rank = int(cluster.block_rank());
-  const bool is_v = rank >= kStatsPerTensor;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int lane_c = threadIdx.x % kLanesPerRow, r0 = threadIdx.x / kLanesPerRow;
-
   // The quantize kernel may launch once every statistics CTA has started: its CTAs load
   // their K/V rows on the SMs this grid's last wave leaves free, then wait for its finals.
   sm90::launch_dependent_grids();
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = int(cluster.block_rank());
+  const int k_ctas = p.stats_k_ctas;
+  const bool is_v = rank >= k_ctas;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int lane_c = threadIdx.x % kLanesPerRow, r0 = threadIdx.x / kLanesPerRow;
   const T* base = (is_v ? static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h
                         : static_cast<const T*>(p.k) + b * p.k_stride_b + h * p.k_stride_h) +
                   lane_c * 8;
-  const int64_t stride_n = is_v ? p.v_stride_n : p.k_stride_n;
+  // Row i of the tensor's statistics is token i (V) or key i * k_mean_stride (K).
+  const int64_t row_pitch = is_v ? p.v_stride_n : p.k_stride_n * p.k_mean_stride;
+  const int rows = is_v ? p.n_kv : p.k_mean_samples;
+  const int step = kRowsPerIter * (is_v ? kStatsCtas - k_ctas : k_ctas);  // between a thread's rows
   ChannelStats<T> st;
   st.init();
   // The CTAs of one tensor interleave by kRowsPerIter rows, so that they stream neighbouring
-  // memory at the same time; each thread keeps kStatsUnroll loads in flight.
-  int t = (rank % kStatsPerTensor) * kRowsPerIter + r0;
-  for (; t + (kStatsUnroll - 1) * kStep < p.n_kv; t += kStatsUnroll * kStep) {
+  // memory at the same time; each thread keeps kStatsUnroll loads in flight, the last round's
+  // too (as a loop of single loads, a thread with 5 rows waited for 5 round trips in a row:
+  // d = 64, N = 1K, 7 V CTAs).
+  for (int t = (is_v ? rank - k_ctas : rank) * kRowsPerIter + r0; t < rows; t += kStatsUnroll * step) {
     uint4 raw[kStatsUnroll];
 #pragma unroll
     for (int u = 0; u < kStatsUnroll; ++u)
-      raw[u] = *reinterpret_cast<const uint4*>(base + int64_t(t + u * kStep) * stride_n);
+      if (t + u * step < rows)
+        raw[u] = *reinterpret_cast<const uint4*>(base + int64_t(t + u * step) * row_pitch);
 #pragma unroll
-    for (int u = 0; u < kStatsUnroll; ++u) st.add(raw[u]);
+    for (int u = 0; u < kStatsUnroll; ++u)
+      if (t + u * step < rows) st.add(raw[u]);
   }
-  for (; t < p.n_kv; t += kStep) st.add(*reinterpret_cast<const uint4*>(base + int64_t(t) * stride_n));
 
   __shared__ float red[kStatsRows][kWarps][D];
   __shared__ float cta_stats[kStatsRows][D];
@@ -172,24 +184,29 @@ __global__ void __cluster_dims__(kStatsCtas, 1, 1) __launch_bounds__(kThreads, 4
   }
   const int64_t head = (int64_t)b * p.heads_kv + h;
   const int c = threadIdx.x;
+  // [0]: K, [1]: V. Indexed only by constants: a run-time index (k_ctas decides which ranks
+  // are K's) put the arrays in local memory.
   float sum[2] = {0.f, 0.f}, mx[2] = {-FLT_MAX, -FLT_MAX}, mn[2] = {FLT_MAX, FLT_MAX};
   if (c < D)
 #pragma unroll
     for (int r = 0; r < kStatsCtas; ++r) {
       const float* other = cluster.map_shared_rank(&cta_stats[0][0], r);
-      const int which = r / kStatsPerTensor;  // 0: K, 1: V
-      sum[which] += other[kSum * D + c];
-      mx[which] = fmaxf(mx[which], other[kMax * D + c]);
-      mn[which] = fminf(mn[which], other[kMin * D + c]);
+      const float s = other[kSum * D + c], x = other[kMax * D + c], n = other[kMin * D + c];
+      if (r < k_ctas) {
+        sum[0] += s, mx[0] = fmaxf(mx[0], x), mn[0] = fminf(mn[0], n);
+      } else {
+        sum[1] += s, mx[1] = fmaxf(mx[1], x), mn[1] = fminf(mn[1], n);
+      }
     }
   sm90::cluster_arrive_release();  // done with the other CTAs' shared memory
   __shared__ float s_warp_amax[2][D / 32];
   float kamax = 0.f, vamax = 0.f;
   if (c < D) {
-    const float km = p.smooth_k ? sum[0] / p.n_kv : 0.f;
+    const float km = p.smooth_k ? sum[0] / p.k_mean_samples : 0.f;
     const float vm = p.smooth_v ? sum[1] / p.n_kv : 0.f;
     // Rounding is monotonic, so the extreme of |x - mean| is reached at the channel's max
-    // or min: the same value a pass over every token would find.
+    // or min: the same value a pass over every token would find. (K's over its sampled keys
+    // only: kamax serves per_tensor K scales alone, which have no sm_90 kernel.)
     kamax = fmaxf(mx[0] - km, km - mn[0]);
     vamax = fmaxf(mx[1] - vm, vm - mn[1]);
     p.out.k_mean[head * D + c] = km;
@@ -619,8 +636,14 @@ void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream) {
     kv_copy_prequantized_kernel<D><<<grid, kThreads, 0, stream>>>(p);
     return;
   }
+  sm90::KVQuantParams q = p;
+  // Set here, not in the kernel: the first form divided in every CTA before its first load
+  // and, with a loop of single loads for the last round, cost the pre-pass 2-6% at stride 1
+  // (docs/performance.md, v29).
+  q.k_mean_samples = int(rules::k_mean_samples(p.n_kv, p.k_mean_stride));
+  q.stats_k_ctas = stats_k_ctas(p.k_mean_stride);
   const dim3 stats_grid(kStatsCtas, p.heads_kv, p.batch);  // one cluster per head
-  kv_stats_kernel<D, T><<<stats_grid, kThreads, 0, stream>>>(p);
+  kv_stats_kernel<D, T><<<stats_grid, kThreads, 0, stream>>>(q);
   // Programmatic dependent launch: see launch_dependent_grids in kv_stats_kernel.
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(2 * (p.n_pad / sm90::kBlockKV), p.heads_kv, p.batch);
@@ -633,8 +656,8 @@ void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream) {
   cfg.attrs = &pdl;
   cfg.numAttrs = 1;
   const bool full_tiles = p.n_kv % sm90::kBlockKV == 0;
-  const cudaError_t err = full_tiles ? cudaLaunchKernelEx(&cfg, kv_quantize_kernel<D, T, true>, p)
-                                     : cudaLaunchKernelEx(&cfg, kv_quantize_kernel<D, T, false>, p);
+  const cudaError_t err = full_tiles ? cudaLaunchKernelEx(&cfg, kv_quantize_kernel<D, T, true>, q)
+                                     : cudaLaunchKernelEx(&cfg, kv_quantize_kernel<D, T, false>, q);
   if (err != cudaSuccess) sm90::throw_cuda("K/V quantize launch", err);
 }
 

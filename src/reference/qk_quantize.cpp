@@ -93,13 +93,14 @@ int32_t dot_int(const int8_t* a, const int8_t* b, int64_t d) {
 
 }  // namespace
 
-std::vector<float> channel_mean(const float* x, int64_t n, int64_t d) {
+std::vector<float> channel_mean(const float* x, int64_t n, int64_t d, int stride) {
   std::vector<double> sum(static_cast<size_t>(d), 0.0);
-  for (int64_t t = 0; t < n; ++t)
+  int64_t count = 0;
+  for (int64_t t = 0; t < n; t += stride, ++count)
     for (int64_t c = 0; c < d; ++c) sum[c] += x[t * d + c];
   std::vector<float> mean(static_cast<size_t>(d), 0.f);
-  if (n > 0)
-    for (int64_t c = 0; c < d; ++c) mean[c] = static_cast<float>(sum[c] / static_cast<double>(n));
+  if (count > 0)
+    for (int64_t c = 0; c < d; ++c) mean[c] = static_cast<float>(sum[c] / static_cast<double>(count));
   return mean;
 }
 

@@ -21,8 +21,9 @@ struct QKOperand {
   std::vector<float> scale;   // int8 / int4 / e4m3: the scale of each token's group
 };
 
-// Mean over tokens of each channel: summed in double, divided, rounded once to float.
-std::vector<float> channel_mean(const float* x, int64_t n, int64_t d);
+// Mean over tokens 0, stride, 2 stride, ... below n of each channel: summed in double, divided,
+// rounded once to float.
+std::vector<float> channel_mean(const float* x, int64_t n, int64_t d, int stride = 1);
 // x[t][c] -= mean[c] in float, for tokens [0, n).
 void subtract_channel_mean(float* x, int64_t n, int64_t d, const float* mean);
 

@@ -34,7 +34,7 @@ KVHead prepare_kv(float* k, float* v, const Problem& p, const Recipe& r, TileCon
   KVHead h;
   const int64_t n = p.n_kv, d = p.head_dim;
   if (r.smooth_k) {
-    h.k_mean = sim::channel_mean(k, n, d);
+    h.k_mean = sim::channel_mean(k, n, d, r.k_mean_stride);
     sim::subtract_channel_mean(k, n, d, h.k_mean.data());
   }
   h.k = sim::quantize_qk(k, n, d, r.qk_format, r.qk_granularity, /*is_q=*/false, tc);

@@ -85,6 +85,9 @@ struct KVQuantParams {
   Granularity k_granularity;
   int k_max;  // the largest K code: 127 (int8) or 7 (int4 values)
   bool smooth_k, smooth_v;
+  int k_mean_stride;  // K's statistics over keys 0, stride, ... (recipe.k_mean_stride)
+  // Set by launch_kv_prepass: the keys the stride samples, and the statistics CTAs that read them.
+  int k_mean_samples, stats_k_ctas;
   PVPath pv_path;  // decides V's format in the workspace
   bool v_per_tensor;  // one V scale for all channels (INT-FlashAttention)
   float v_max;  // the format value max|V'_c| maps to (448 e4m3, 127 int8, or recipe.v_range)

@@ -62,7 +62,18 @@ TEST(Recipes, DefaultRecipeIsSage2_8bOptions) {
   EXPECT_EQ(d.p_scale, p.p_scale);
   EXPECT_EQ(d.v_scale, p.v_scale);
   EXPECT_EQ(d.pv_accum, p.pv_accum);
+  EXPECT_EQ(d.k_mean_stride, p.k_mean_stride);
   EXPECT_NO_THROW(validate_recipe(d));
+}
+
+// sage2_8b alone takes K smoothing's mean over a stride of the keys (recipe.cpp says why); the
+// other presets keep the papers' mean over every key, and the summary says which is which.
+TEST(Recipes, OnlySage2_8bSamplesTheKeysForKsMean) {
+  for (const Recipe& r : presets()) {
+    EXPECT_EQ(r.k_mean_stride, r.name == "sage2_8b" ? 8 : 1) << r.name;
+    EXPECT_EQ(recipe_summary(r).find("every 8th key") != std::string::npos, r.name == "sage2_8b")
+        << recipe_summary(r);
+  }
 }
 
 TEST(Recipes, UnknownPresetListsTheNames) {
@@ -102,6 +113,21 @@ TEST(ValidateRecipe, Fp16QKMustBePerTensor) {
   r.qk_granularity = Granularity::per_block;
   EXPECT_INVALID(r, "recipe.qk_granularity", "per_tensor");
   r.qk_granularity = Granularity::per_tensor;
+  EXPECT_NO_THROW(validate_recipe(r));
+}
+
+TEST(ValidateRecipe, KMeanStrideIsAtLeastOne) {
+  Recipe r = base();
+  for (int stride : {0, -8}) {
+    r.k_mean_stride = stride;
+    EXPECT_INVALID(r, "recipe.k_mean_stride", ">= 1");
+  }
+  r.k_mean_stride = 1;
+  EXPECT_NO_THROW(validate_recipe(r));
+  // A parameter of K smoothing, inert without it: turning smoothing off in a preset with a
+  // stride is a valid recipe (the Python parsers refuse only a stride given with it).
+  r.k_mean_stride = 8;
+  r.smooth_k = false;
   EXPECT_NO_THROW(validate_recipe(r));
 }
 

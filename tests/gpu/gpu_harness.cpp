@@ -67,6 +67,10 @@ Recipe GpuCase::recipe_options() const {
     r.smooth_k = false;
     r.name += "+no_smooth_k";
   }
+  if (k_mean_stride > 0) {
+    r.k_mean_stride = k_mean_stride;
+    r.name += "+k_mean_stride";
+  }
   return r;
 }
 
@@ -78,6 +82,7 @@ std::string GpuCase::describe() const {
   if (p_range > 0.f) os << " p_range " << p_range;
   if (float_row_sum) os << " float_row_sum";
   if (no_smooth_k) os << " no_smooth_k";
+  if (k_mean_stride > 0) os << " k_mean_stride " << k_mean_stride;
   os << " "
      << (prequantized() ? std::string("i8->") : std::string()) << dtype_name(dtype) << " "
      << layout_name(layout) << (strided ? " strided" : "") << " B" << batch << " Hq" << heads_q

@@ -48,11 +48,12 @@ struct GpuCase {
   float p_range = 0.f;         // > 0: the recipe's p_range instead of the preset's
   bool float_row_sum = false;  // row_sum float_p instead of the preset's
   bool no_smooth_k = false;    // K not smoothed (the Q stage then also runs with the LSE)
+  int k_mean_stride = 0;       // > 0: the recipe's k_mean_stride instead of the preset's
   std::string distribution = "normal";  // a synthetic distribution, or "zeros", "huge"
   uint64_t seed = 0;
   std::string describe() const;
   // The Recipe this case runs: the preset, with v_scale per channel when v_per_channel, and
-  // p_range, row_sum float_p and smooth_k off when set.
+  // p_range, row_sum float_p, smooth_k off and k_mean_stride when set.
   Recipe recipe_options() const;
   bool prequantized() const;
 };

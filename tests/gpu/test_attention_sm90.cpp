@@ -411,6 +411,10 @@ TEST(Sm90Attention, RandomizedAgainstSimulator) {
     const Variant& v = all[size_t(i) % all.size()];
     c.recipe = v.recipe, c.v_per_channel = v.v_per_channel;
     c.distribution = reference::synthetic_distributions()[pick(int(reference::synthetic_distributions().size()))];
+    // K smoothing's mean over other key strides than the preset's (1 for most, 8 for sage2_8b)
+    // in a quarter of the cases that smooth K; 64 leaves one to seven sampled keys here.
+    static const int kStrides[] = {1, 2, 8, 64};
+    if (pick(4) == 0 && preset(c.recipe).smooth_k) c.k_mean_stride = kStrides[pick(4)];
     c.seed = uint64_t(i);
     cases.push_back(c);
   }

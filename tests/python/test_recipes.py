@@ -4,8 +4,9 @@ import pytest
 
 import sagekit
 
-OPTION_KEYS = {"qk_format", "qk_granularity", "smooth_k", "smooth_q", "smooth_v", "pv_format",
-               "p_scale", "v_scale", "pv_accum", "p_range", "v_range", "row_sum", "inputs"}
+OPTION_KEYS = {"qk_format", "qk_granularity", "smooth_k", "k_mean_stride", "smooth_q", "smooth_v",
+               "pv_format", "p_scale", "v_scale", "pv_accum", "p_range", "v_range", "row_sum",
+               "inputs"}
 
 
 def test_presets_list_the_papers_configurations():
@@ -26,6 +27,10 @@ def test_presets_match_the_papers():
     s2 = by_name["sage2_8b"]
     assert (s2["qk_format"], s2["qk_granularity"], s2["pv_format"], s2["pv_accum"]) == \
         ("int8", "per_thread", "e4m3", "two_level")
+    # K smoothing's mean over every 8th key in the Hopper default only; the papers' every key
+    # elsewhere.
+    assert s2["k_mean_stride"] == 8
+    assert all(p["k_mean_stride"] == 1 for p in by_name.values() if p["name"] != "sage2_8b")
     pp = by_name["sage2pp_8b"]
     assert pp["pv_accum"] == "fp16x2_fp32" and pp["p_range"] == 112.0 and pp["v_range"] == 4.5
     assert by_name["sage3_fp4"]["qk_format"] == "nvfp4"
@@ -51,6 +56,13 @@ def test_recipe_overrides_and_naming():
     # Spec strings: a bare item is the base preset, key=value items override it.
     r = sagekit.recipe("sage2pp_8b, p_range=100, smooth_v=true")
     assert r["p_range"] == 100.0 and r["smooth_v"] is True and r["pv_accum"] == "fp16x2_fp32"
+    # K smoothing's stride: an option like the others, and lapsing with smoothing turned off.
+    r = sagekit.recipe("sage2_8b, k_mean_stride=1")
+    assert r["k_mean_stride"] == 1 and r["name"] == "custom"
+    assert sagekit.recipe({"base": "sage1_b", "k_mean_stride": 4})["k_mean_stride"] == 4
+    off = sagekit.recipe({"base": "sage2_8b", "smooth_k": False})
+    assert off["smooth_k"] is False and off["k_mean_stride"] == 1  # the base's stride lapses
+    assert sagekit.recipe("sage2_8b", smooth_k=False)["k_mean_stride"] == 1
     # PScale's enumerator name and its printed name are both accepted.
     assert sagekit.recipe("sage2_8b,p_scale=static_max")["p_scale"] == "static"
 
@@ -74,6 +86,10 @@ def test_recipe_key_is_parsed_by_the_library():
     ({"pv_format": "fp16"}, "recipe.p_scale"),                   # validate_recipe
     ({"base": "sage2_8b", "pv_accum": "fp16"}, "recipe.pv_accum"),
     ({"p_range": -1.0}, "recipe.p_range"),
+    ({"k_mean_stride": 0}, "recipe.k_mean_stride"),
+    ({"k_mean_stride": 2.5}, "recipe.k_mean_stride"),
+    ({"k_mean_stride": "every"}, "recipe.k_mean_stride"),
+    ({"base": "sage2_8b", "smooth_k": False, "k_mean_stride": 4}, "recipe.k_mean_stride"),
     ({}, "recipe"),
     ("sage2_8b,pv_accum=fp32,pv_accum=fp16", "recipe.pv_accum"),
     ("sage2_8b,sage1_b", "recipe"),
