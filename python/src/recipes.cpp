@@ -106,28 +106,26 @@ bool parse_bool(const std::string& key, const Value& v) {
   throw sage::Error("recipe." + key, "must be True or False (got " + describe(v) + ")");
 }
 
+// A number as it arrives (a Python number, or text from a spec string); false when it is not one.
+bool as_number(const Value& v, double& x) {
+  x = v.x;
+  if (v.kind == Value::number) return true;
+  if (v.kind != Value::text || v.s.empty()) return false;
+  char* end = nullptr;
+  x = std::strtod(v.s.c_str(), &end);
+  return end && *end == '\0';
+}
+
 int parse_positive_int(const std::string& key, const Value& v) {
-  double x = v.x;
-  bool ok = v.kind == Value::number;
-  if (v.kind == Value::text && !v.s.empty()) {
-    char* end = nullptr;
-    x = std::strtod(v.s.c_str(), &end);
-    ok = end && *end == '\0';
-  }
-  if (!ok || !(x >= 1 && x <= double(INT32_MAX)) || x != std::floor(x))
+  double x = 0;
+  if (!as_number(v, x) || !(x >= 1 && x <= double(INT32_MAX)) || x != std::floor(x))
     throw sage::Error("recipe." + key, "must be a whole number >= 1 (got " + describe(v) + ")");
   return static_cast<int>(x);
 }
 
 float parse_float(const std::string& key, const Value& v) {
-  double x = v.x;
-  bool ok = v.kind == Value::number;
-  if (v.kind == Value::text && !v.s.empty()) {
-    char* end = nullptr;
-    x = std::strtod(v.s.c_str(), &end);
-    ok = end && *end == '\0';
-  }
-  if (!ok || !std::isfinite(x))
+  double x = 0;
+  if (!as_number(v, x) || !std::isfinite(x))
     throw sage::Error("recipe." + key, "must be a finite number (got " + describe(v) + ")");
   return static_cast<float>(x);
 }
