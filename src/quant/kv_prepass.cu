@@ -21,20 +21,25 @@ namespace {
 constexpr int kThreads = 256;
 
 // ---- pass 1: statistics --------------------------------------------------------------------
-// One cluster of kStatsCtas CTAs per (batch, kv head): the first stats_k_ctas read K (its keys
+// One cluster of stats_ctas CTAs per (batch, kv head): the first stats_k_ctas read K (its keys
 // 0, k_mean_stride, ...: recipe.k_mean_stride), the others V, each CTA a stride of the rows.
 // Rank 0 combines the CTAs' sums and extremes through distributed shared memory in rank order
 // (deterministic, no atomics) and writes the head's finals, so that a quantize CTA reads a few
 // floats per channel instead of reducing partials.
 // (v8 wrote per-chunk partials that every quantize CTA of the head reduced again: L2 reads
 // growing as N^2, 1.4 ms of pre-pass at d = 128, N = 16K on the H100 against 0.86 ms at 1K.)
-constexpr int kStatsCtas = 8;
+constexpr int kStatsCtas = 8;  // the most CTAs per head (the portable cluster size)
+// Heads of at most this many tokens get half as many CTAs (a second instantiation): at N = 1K,
+// 8 per head made 15 waves of short CTAs, and 4 took 6% off the pre-pass at N = 1K (both head
+// dims) and at d = 64, 2K (docs/performance.md, v30).
+constexpr int kStatsHalfClusterMaxN = 2048;
+int stats_ctas(int n_kv) { return n_kv <= kStatsHalfClusterMaxN ? kStatsCtas / 2 : kStatsCtas; }
 // The CTAs of a cluster that read K: a share of the cluster as K's sampled rows are of the
 // rows read, so that K's and V's CTAs finish together (4 of 8 for every key, 1 of 8 for
 // every 8th key, where 4 left the V CTAs reading twice as long).
-int stats_k_ctas(int k_mean_stride) {
-  const int k = (2 * kStatsCtas + k_mean_stride + 1) / (2 * (k_mean_stride + 1));
-  return k < 1 ? 1 : k > kStatsCtas / 2 ? kStatsCtas / 2 : k;
+int stats_k_ctas(int k_mean_stride, int ctas) {
+  const int k = (2 * ctas + k_mean_stride + 1) / (2 * (k_mean_stride + 1));
+  return k < 1 ? 1 : k > ctas / 2 ? ctas / 2 : k;
 }
 
 // Rows in flight per thread: 8 (60 registers, still four CTAs per SM) against 4 took the
@@ -133,8 +138,10 @@ __device__ __forceinline__ void combine_cta_stats(const ChannelStats<T>& st, int
 }
 
 // Four CTAs per SM: at d = 128, N = 16K the grid (8 CTAs for each of 64 heads) is one wave.
-template <int D, class T>
-__global__ void __cluster_dims__(kStatsCtas, 1, 1) __launch_bounds__(kThreads, 4)
+// Ctas (stats_ctas) CTAs per cluster, a compile-time size: as a launch attribute with a
+// run-time loop bound, the 8-CTA form cost 1-3% of the pre-pass (v30's first form).
+template <int D, class T, int Ctas>
+__global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
     kv_stats_kernel(const sm90::KVQuantParams p) {
   namespace cg = cooperative_groups;
   constexpr int kLanesPerRow = D / 8;
@@ -154,7 +161,7 @@ __global__ void __cluster_dims__(kStatsCtas, 1, 1) __launch_bounds__(kThreads, 4
   // Row i of the tensor's statistics is token i (V) or key i * k_mean_stride (K).
   const int64_t row_pitch = is_v ? p.v_stride_n : p.k_stride_n * p.k_mean_stride;
   const int rows = is_v ? p.n_kv : p.k_mean_samples;
-  const int step = kRowsPerIter * (is_v ? kStatsCtas - k_ctas : k_ctas);  // between a thread's rows
+  const int step = kRowsPerIter * (is_v ? Ctas - k_ctas : k_ctas);  // between a thread's rows
   ChannelStats<T> st;
   st.init();
   // The CTAs of one tensor interleave by kRowsPerIter rows, so that they stream neighbouring
@@ -189,7 +196,7 @@ __global__ void __cluster_dims__(kStatsCtas, 1, 1) __launch_bounds__(kThreads, 4
   float sum[2] = {0.f, 0.f}, mx[2] = {-FLT_MAX, -FLT_MAX}, mn[2] = {FLT_MAX, FLT_MAX};
   if (c < D)
 #pragma unroll
-    for (int r = 0; r < kStatsCtas; ++r) {
+    for (int r = 0; r < Ctas; ++r) {
       const float* other = cluster.map_shared_rank(&cta_stats[0][0], r);
       const float s = other[kSum * D + c], x = other[kMax * D + c], n = other[kMin * D + c];
       if (r < k_ctas) {
@@ -641,9 +648,13 @@ void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream) {
   // and, with a loop of single loads for the last round, cost the pre-pass 2-6% at stride 1
   // (docs/performance.md, v29).
   q.k_mean_samples = int(rules::k_mean_samples(p.n_kv, p.k_mean_stride));
-  q.stats_k_ctas = stats_k_ctas(p.k_mean_stride);
-  const dim3 stats_grid(kStatsCtas, p.heads_kv, p.batch);  // one cluster per head
-  kv_stats_kernel<D, T><<<stats_grid, kThreads, 0, stream>>>(q);
+  const int ctas = stats_ctas(p.n_kv);
+  q.stats_k_ctas = stats_k_ctas(p.k_mean_stride, ctas);
+  const dim3 stats_grid(ctas, p.heads_kv, p.batch);  // one cluster per head
+  if (ctas == kStatsCtas)
+    kv_stats_kernel<D, T, kStatsCtas><<<stats_grid, kThreads, 0, stream>>>(q);
+  else
+    kv_stats_kernel<D, T, kStatsCtas / 2><<<stats_grid, kThreads, 0, stream>>>(q);
   // Programmatic dependent launch: see launch_dependent_grids in kv_stats_kernel.
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(2 * (p.n_pad / sm90::kBlockKV), p.heads_kv, p.batch);

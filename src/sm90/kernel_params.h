@@ -86,7 +86,8 @@ struct KVQuantParams {
   int k_max;  // the largest K code: 127 (int8) or 7 (int4 values)
   bool smooth_k, smooth_v;
   int k_mean_stride;  // K's statistics over keys 0, stride, ... (recipe.k_mean_stride)
-  // Set by launch_kv_prepass: the keys the stride samples, and the statistics CTAs that read them.
+  // Set by launch_kv_prepass: the keys the stride samples, and the statistics CTAs (of each
+  // head's cluster) that read them.
   int k_mean_samples, stats_k_ctas;
   PVPath pv_path;  // decides V's format in the workspace
   bool v_per_tensor;  // one V scale for all channels (INT-FlashAttention)

@@ -26,11 +26,14 @@ namespace {
 TEST(KVPrepass, MatchesCpuQuantization) {
   SAGE_REQUIRE_GPU();
 #ifdef SAGE_WITH_CUDA
-  // 300 keys: stride 8 samples 38 of them (0, 8, ..., 296), fewer than a CTA's first round.
+  // 300 keys (half a statistics cluster: up to 2048 keys) and 2500 (a whole one); stride 8
+  // samples 38 of 300 (0, 8, ..., 296), fewer than a CTA's first round.
+  for (const int n : {300, 2500})
   for (const int stride : {1, 8}) {
-    SCOPED_TRACE("k_mean_stride " + std::to_string(stride));
+    SCOPED_TRACE("n " + std::to_string(n) + ", k_mean_stride " + std::to_string(stride));
     constexpr int D = 128;
-    const int n = 300, n_pad = 384, tiles = n_pad / sm90::kBlockKV;
+    const int n_pad = (n + sm90::kBlockKV - 1) / sm90::kBlockKV * sm90::kBlockKV;
+    const int tiles = n_pad / sm90::kBlockKV;
     reference::SyntheticShape shape;
     shape.n_q = shape.n_kv = n, shape.head_dim = D;
     const reference::SyntheticInputs in = reference::make_synthetic("k_bias", shape, 3);
