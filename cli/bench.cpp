@@ -286,8 +286,9 @@ int run_bench(const std::vector<std::string>& args) {
        {"warmup", "W", "untimed calls before timing each point (default 5)"},
        {"iters", "I", "timed calls per point; the median is reported (default 30)"},
        {"split", "", "also time the two steps alone: the K/V pre-pass and the attention kernel"},
-       {"k-mean-stride", "S", "take K smoothing's mean over every S-th key instead of each preset's "
-                              "stride (recipes that smooth K)"},
+       {"k-mean-stride", "S",
+        "take K smoothing's mean over every S-th key instead of each preset's stride (recipes "
+        "that smooth K)"},
        {"json", "FILE", "also write every point as a JSON record"}},
       args);
   if (flags.help()) {

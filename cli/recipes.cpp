@@ -32,7 +32,10 @@ RecipeColumns recipe_columns(const Recipe& r) {
   c.qk = std::string(to_string(r.qk_format)) + " " + to_string(r.qk_granularity);
   std::vector<std::string> sm;
   if (r.smooth_q) sm.push_back("Q");
-  if (r.smooth_k) sm.push_back(r.k_mean_stride > 1 ? "K (mean of every " + std::to_string(r.k_mean_stride) + "th key)" : "K");
+  if (r.smooth_k)
+    sm.push_back(r.k_mean_stride > 1
+                     ? "K (mean of every " + std::to_string(r.k_mean_stride) + "th key)"
+                     : "K");
   if (r.smooth_v) sm.push_back("V");
   c.smoothing = sm.empty() ? "none" : join(sm, "+");
   c.p = std::string(to_string(r.pv_format));

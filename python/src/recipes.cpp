@@ -158,7 +158,8 @@ bool set_option(sage::Recipe& r, const std::string& key, const Value& v) {
 bool same_options(const sage::Recipe& a, const sage::Recipe& b) {
   return a.qk_format == b.qk_format && a.qk_granularity == b.qk_granularity &&
          a.smooth_k == b.smooth_k && a.k_mean_stride == b.k_mean_stride &&
-         a.smooth_q == b.smooth_q && a.smooth_v == b.smooth_v && a.pv_format == b.pv_format && a.p_scale == b.p_scale && a.v_scale == b.v_scale &&
+         a.smooth_q == b.smooth_q && a.smooth_v == b.smooth_v && a.pv_format == b.pv_format &&
+         a.p_scale == b.p_scale && a.v_scale == b.v_scale &&
          a.pv_accum == b.pv_accum && a.p_range == b.p_range && a.v_range == b.v_range &&
          a.row_sum == b.row_sum && a.inputs == b.inputs;
 }

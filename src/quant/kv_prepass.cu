@@ -168,7 +168,8 @@ __global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
   // memory at the same time; each thread keeps kStatsUnroll loads in flight, the last round's
   // too (as a loop of single loads, a thread with 5 rows waited for 5 round trips in a row:
   // d = 64, N = 1K, 7 V CTAs).
-  for (int t = (is_v ? rank - k_ctas : rank) * kRowsPerIter + r0; t < rows; t += kStatsUnroll * step) {
+  const int first = (is_v ? rank - k_ctas : rank) * kRowsPerIter + r0;
+  for (int t = first; t < rows; t += kStatsUnroll * step) {
     uint4 raw[kStatsUnroll];
 #pragma unroll
     for (int u = 0; u < kStatsUnroll; ++u)
