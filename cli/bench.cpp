@@ -15,6 +15,7 @@
 
 #include "common.h"
 #include "gpu.h"
+#include "recipe_text.h"
 #include "sage/attention.h"
 #include "sage/formats.h"
 
@@ -167,7 +168,7 @@ int run_grid(const BenchConfig& c) {
           for (size_t ri = 0; ri < c.recipes.size(); ++ri) {
             const std::string& rn = c.recipes[ri];
             Recipe recipe = preset(rn);
-            if (c.k_mean_stride > 0) recipe.k_mean_stride = int(c.k_mean_stride);
+            if (c.k_mean_stride > 0) apply_k_mean_stride("sage bench", recipe, c.k_mean_stride);
             std::ostringstream what;
             what << rn << " " << dts << " d=" << d << " causal=" << cs << " N=" << n;
             progress.step(what.str());
@@ -311,10 +312,10 @@ int run_bench(const std::vector<std::string>& args) {
   c.split = flags.has("split");
   if (flags.has("k-mean-stride")) {
     c.k_mean_stride = flags.integer("k-mean-stride", 0, 1, int64_t(1) << 20);
-    for (const std::string& rn : c.recipes)
-      if (!preset(rn).smooth_k)
-        throw UsageError("sage bench: --k-mean-stride applies to recipes that smooth K; " + rn +
-                         " does not");
+    for (const std::string& rn : c.recipes) {  // usage errors before any work
+      Recipe r = preset(rn);
+      apply_k_mean_stride("sage bench", r, c.k_mean_stride);
+    }
   }
   const std::string dtype = flags.choice("dtype", "fp16", {"fp16", "bf16", "both"});
   c.dtypes = dtype == "both" ? std::vector<std::string>{"fp16", "bf16"}

@@ -14,6 +14,7 @@
 #include "accuracy.h"
 #include "common.h"
 #include "gpu.h"
+#include "recipe_text.h"
 #include "sage/attention.h"
 
 namespace sage::cli {
@@ -150,12 +151,7 @@ int run_check(const std::vector<std::string>& args) {
                          name + "'s has none");
       r.p_range = float(p_range);
     }
-    if (k_mean_stride > 0) {
-      if (!r.smooth_k)
-        throw UsageError("sage check: --k-mean-stride applies to recipes that smooth K; " + name +
-                         " does not");
-      r.k_mean_stride = int(k_mean_stride);
-    }
+    if (k_mean_stride > 0) apply_k_mean_stride("sage check", r, k_mean_stride);
     if (!row_sum.empty())
       r.row_sum = row_sum == "quantized_p" ? RowSum::quantized_p
                   : row_sum == "pv_mma"    ? RowSum::pv_mma

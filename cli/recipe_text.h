@@ -1,4 +1,5 @@
-// How the CLI spells a recipe's options in tables (shared by `recipes` and `docs`).
+// How the CLI spells a recipe's options in tables (shared by `recipes` and `docs`), and the
+// recipe option flags `check` and `bench` share.
 #pragma once
 
 #include <string>
@@ -18,5 +19,8 @@ RecipeColumns recipe_columns(const Recipe& r);
 bool is_default_recipe(const Recipe& r);
 // The preset table; `with_summary` adds recipe_summary() as a last column.
 Table recipe_table(bool with_summary);
+// --k-mean-stride: r's K smoothing over every `stride`-th key; a usage error naming `command`
+// and the preset when r does not smooth K.
+void apply_k_mean_stride(const std::string& command, Recipe& r, int64_t stride);
 
 }  // namespace sage::cli

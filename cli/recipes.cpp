@@ -54,6 +54,13 @@ RecipeColumns recipe_columns(const Recipe& r) {
   return c;
 }
 
+void apply_k_mean_stride(const std::string& command, Recipe& r, int64_t stride) {
+  if (!r.smooth_k)
+    throw UsageError(command + ": --k-mean-stride applies to recipes that smooth K; " + r.name +
+                     " does not");
+  r.k_mean_stride = int(stride);
+}
+
 Table recipe_table(bool with_summary) {
   std::vector<std::string> header = {"preset", "paper", "Q/K",  "smoothing", "P",
                                      "V",      "PV accumulation", "row sum", "inputs"};

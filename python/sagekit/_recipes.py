@@ -14,8 +14,6 @@ RecipeLike = Union[str, Dict[str, Any]]
 
 # Keys presets() adds for people; they are derived from the options.
 _DESCRIPTIVE = ("paper", "summary")
-# The spellings of False the library's option parser accepts (python/src/recipes.cpp).
-_FALSE = (False, "false", "False", "0")
 
 
 def presets() -> List[Dict[str, Any]]:
@@ -39,10 +37,14 @@ def recipe(base: Optional[RecipeLike] = None, **options: Any) -> Dict[str, Any]:
         return resolved
     merged = {k: v for k, v in resolved.items() if k not in _DESCRIPTIVE and k != "name"}
     merged.update(options)
-    if "k_mean_stride" not in options and options.get("smooth_k") in _FALSE:
-        # The base's stride belongs to its K smoothing: turned off here, it lapses (passed on,
-        # it would read as a stride given with smooth_k false, which the library refuses).
-        merged.pop("k_mean_stride", None)
+    if "smooth_k" in options and "k_mean_stride" not in options:
+        # The base's stride belongs to its K smoothing: where the options turn smoothing off,
+        # it lapses (passed on, it would read as a stride given with smooth_k false, which the
+        # library refuses). The library parses smooth_k's value, so it decides which case this is.
+        without = {k: v for k, v in merged.items() if k != "k_mean_stride"}
+        resolved_without = _C.resolve_recipe(without)
+        if not resolved_without["smooth_k"]:
+            return resolved_without
     return _C.resolve_recipe(merged)
 
 

@@ -63,6 +63,8 @@ def test_recipe_overrides_and_naming():
     off = sagekit.recipe({"base": "sage2_8b", "smooth_k": False})
     assert off["smooth_k"] is False and off["k_mean_stride"] == 1  # the base's stride lapses
     assert sagekit.recipe("sage2_8b", smooth_k=False)["k_mean_stride"] == 1
+    assert sagekit.recipe("sage2_8b", smooth_k="false")["k_mean_stride"] == 1  # the library's spelling
+    assert sagekit.recipe("sage1_b", smooth_k=True)["k_mean_stride"] == 1  # the base's own stride
     # PScale's enumerator name and its printed name are both accepted.
     assert sagekit.recipe("sage2_8b,p_scale=static_max")["p_scale"] == "static"
 
