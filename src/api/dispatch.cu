@@ -125,7 +125,7 @@ Dims strides_of(const TensorView& t, Layout layout) {
 }
 
 struct WorkspaceLayout {
-  size_t k, vt, k_scale, k_mean, v_scale, v_mean, v_inv, k_amax, head_ready, total;
+  size_t k, vt, k_scale, k_mean, v_scale, v_mean, v_inv, k_amax, total;
   int n_pad;
 };
 
@@ -150,8 +150,6 @@ WorkspaceLayout workspace_layout(const Problem& pr, sm90::PVPath path) {
   w.v_mean = take(heads * d * sizeof(float));
   w.v_inv = take(heads * d * sizeof(float));
   w.k_amax = take(heads * sizeof(float));
-  // The pre-pass CTAs' flags, one per kv head (sm90/prepass_ctas.cuh).
-  w.head_ready = take(heads * sizeof(int));
   w.total = off;
   return w;
 }
@@ -187,8 +185,12 @@ int qk_format_max(const Recipe& r) {
 
 // ---- the two steps, for one head dim and dtype ----------------------------------------------
 
-sm90::KVQuantParams kv_quant_params(const AttentionArgs& args, const Problem& pr,
-                                    const KernelVariant& v, uint8_t* ws) {
+template <int D, class T>
+void run_quantize_kv(const AttentionArgs& args, const Problem& pr, const KernelVariant& v,
+                     uint8_t* ws, cudaStream_t stream) {
+  // Nothing to quantize; with no keys the attention kernel writes zeros and -inf LSE without
+  // reading the workspace's values.
+  if (pr.batch == 0 || pr.heads_kv == 0 || pr.n_kv == 0) return;
   const WorkspaceLayout w = workspace_layout(pr, v.path);
   const Recipe& r = args.recipe;
   sm90::KVQuantParams qp{};
@@ -216,26 +218,14 @@ sm90::KVQuantParams kv_quant_params(const AttentionArgs& args, const Problem& pr
     qp.vs_stride_c = args.v_scale.ndim == 3 ? args.v_scale.strides[2] : 0;
   }
   qp.out = quantized_kv_at(ws, w);
-  return qp;
-}
-
-template <int D, class T>
-void run_quantize_kv(const AttentionArgs& args, const Problem& pr, const KernelVariant& v,
-                     uint8_t* ws, cudaStream_t stream) {
-  // Nothing to quantize; with no keys the attention kernel writes zeros and -inf LSE without
-  // reading the workspace's values.
-  if (pr.batch == 0 || pr.heads_kv == 0 || pr.n_kv == 0) return;
-  quant::launch_kv_prepass<D, T>(kv_quant_params(args, pr, v, ws), stream);
+  quant::launch_kv_prepass<D, T>(qp, stream);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) sm90::throw_cuda("K/V pre-pass launch", err);
 }
 
-// whole_call: K/V are not quantized yet; the pre-pass runs inside the attention launch where
-// it can (prepass_ctas.cuh: the variant, a strided schedule, the statistics' split and the
-// recipe allow it, and sm90::take_prepass_ctas gives it CTAs), else as its two launches first.
 template <int D, class T>
 void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVariant& v,
-                   uint8_t* ws, cudaStream_t stream, bool whole_call) {
+                   uint8_t* ws, cudaStream_t stream) {
   if (pr.batch == 0 || pr.heads_q == 0 || pr.n_q == 0) return;
   const WorkspaceLayout w = workspace_layout(pr, v.path);
   const Recipe& r = args.recipe;
@@ -270,29 +260,6 @@ void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVar
   ap.quantized_row_sum = r.row_sum == RowSum::quantized_p;
   ap.work = sm90::work_schedule(ap, D, sm90::v_bytes(v.path));  // after every field it reads
   ap.kv = quantized_kv_at(ws, w);
-  if (whole_call) {
-    sm90::KVQuantParams qp = kv_quant_params(args, pr, v, ws);
-    quant::plan_kv_statistics(qp);
-    // The pre-pass CTAs reproduce the statistics kernel's bits only for a K mean summed by one
-    // CTA and V's extremes alone (prepass_ctas.cuh); their flags are read before the TMA loads,
-    // while the consumers read K's mean before any (the LSE under K smoothing).
-    const bool in_launch = sm90::prepass_capable(v.path, v.k_scales, v.smooth_q) &&
-                           r.inputs != Inputs::prequantized_int8 && !r.smooth_v &&
-                           !(ap.lse != nullptr && r.smooth_k) && qp.stats_k_ctas == 1 &&
-                           ap.work.order == sm90::WorkOrder::strided && pr.n_kv > 0;
-    const int ctas = in_launch ? sm90::take_prepass_ctas(ap) : 0;
-    if (ctas > 0) {
-      ap.prepass_ctas = ctas;
-      ap.prepass = qp;
-      ap.head_ready = reinterpret_cast<int*>(ws + w.head_ready);
-      ap.work = sm90::work_schedule(ap, D, sm90::v_bytes(v.path));
-      const cudaError_t err = cudaMemsetAsync(
-          ap.head_ready, 0, size_t(pr.batch) * pr.heads_kv * sizeof(int), stream);
-      if (err != cudaSuccess) sm90::throw_cuda("pre-pass flags", err);
-    } else {
-      run_quantize_kv<D, T>(args, pr, v, ws, stream);
-    }
-  }
   ap.q_stage = sm90::take_q_stage(ap, sm90::q_stage_capable(v.path, v.smooth_q), D);
   const sm90::AttentionMaps maps = sm90::make_attention_maps(ap, D, sm90::v_bytes(v.path));
   bool launched = false;
@@ -308,7 +275,7 @@ void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVar
   if (err != cudaSuccess) sm90::throw_cuda("attention launch", err);
 }
 
-enum class Step { quantize_kv, attention, whole_call };
+enum class Step { quantize_kv, attention };
 
 // Picks the (head dim, dtype) instantiation. The kernels' T is the fp16/bf16 type of the
 // inputs, or of the output when the inputs are prequantized INT8.
@@ -316,7 +283,7 @@ void run_step(Step step, const AttentionArgs& args, const Problem& pr, const Ker
               uint8_t* ws, cudaStream_t s) {
   const bool preq = args.recipe.inputs == Inputs::prequantized_int8;
   // quantize_kv of prequantized inputs never reads T; any instantiation serves.
-  const DType t = preq ? (step != Step::quantize_kv ? args.out.dtype : DType::f16) : args.k.dtype;
+  const DType t = preq ? (step == Step::attention ? args.out.dtype : DType::f16) : args.k.dtype;
   const bool bf16 = t == DType::bf16;
 #define SAGE_DISPATCH_DIM(D)                                                               \
   if (pr.head_dim == D) {                                                                  \
@@ -324,9 +291,8 @@ void run_step(Step step, const AttentionArgs& args, const Problem& pr, const Ker
       if (bf16) run_quantize_kv<D, __nv_bfloat16>(args, pr, v, ws, s);                     \
       else run_quantize_kv<D, __half>(args, pr, v, ws, s);                                 \
     } else {                                                                               \
-      const bool whole = step == Step::whole_call;                                         \
-      if (bf16) run_attention<D, __nv_bfloat16>(args, pr, v, ws, s, whole);                \
-      else run_attention<D, __half>(args, pr, v, ws, s, whole);                            \
+      if (bf16) run_attention<D, __nv_bfloat16>(args, pr, v, ws, s);                       \
+      else run_attention<D, __half>(args, pr, v, ws, s);                                   \
     }                                                                                      \
     return;                                                                                \
   }
@@ -418,7 +384,8 @@ void attention(const AttentionArgs& args, void* workspace, size_t workspace_size
   if (c.problem.batch == 0 || c.problem.heads_q == 0 || c.problem.n_q == 0) return;
   auto* ws = static_cast<uint8_t*>(workspace);
   auto* s = static_cast<cudaStream_t>(stream);
-  run_step(Step::whole_call, args, c.problem, c.variant, ws, s);
+  run_step(Step::quantize_kv, args, c.problem, c.variant, ws, s);
+  run_step(Step::attention, args, c.problem, c.variant, ws, s);
 }
 
 bool gpu_supports(const Recipe& recipe) {

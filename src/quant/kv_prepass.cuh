@@ -41,10 +41,6 @@ constexpr bool pv_positions_invert() {
 }
 static_assert(pv_positions_invert(), "pv_token_at_position inverts pv_position_of_token");
 
-// Fills p.k_mean_samples and p.stats_k_ctas: how many keys K's statistics sample, and how
-// many of each head's statistics CTAs read them.
-void plan_kv_statistics(sm90::KVQuantParams& p);
-
 template <int D, class T>
 void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream);
 

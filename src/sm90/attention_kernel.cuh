@@ -21,7 +21,6 @@
 #include "sm90/fragment.cuh"
 #include "sm90/kernel_params.h"
 #include "sm90/ptx.cuh"
-#include "sm90/prepass_ctas.cuh"
 #include "sm90/pv_operand.cuh"
 #include "sm90/q_operand.cuh"
 #include "sm90/q_stage.cuh"
@@ -156,10 +155,8 @@ __device__ __forceinline__ WorkItem work_item(const AttentionParams& p, int slot
 // per-tile dS work; a compile-time choice because as a run-time branch it cost the recipes
 // without it ~5% at N = 16K (H100 A/B, 2026-11-22). WithQStage: the instantiation with the Q
 // stage (q_stage.cuh), a second one because its code cost the kernel without it 1-4%
-// (bench/results/h200_v23_ab_2026-11-24.md). WithPrepass: the instantiation whose first CTAs
-// run the K/V pre-pass (prepass_ctas.cuh), a third one so that the others keep their code (the
-// role's branch and registers moved ptxas's K/V loop, SASS).
-template <int D, class T, PVPath Path, KScales KS, bool SmoothQ, bool WithQStage, bool WithPrepass>
+// (bench/results/h200_v23_ab_2026-11-24.md).
+template <int D, class T, PVPath Path, KScales KS, bool SmoothQ, bool WithQStage>
 __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
     attention_kernel(const __grid_constant__ CUtensorMap tma_k,
                      const __grid_constant__ CUtensorMap tma_v,
@@ -179,32 +176,15 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
       SAGE_SM90_OVERLAP_PV && (D == 64 ? KS == KScales::per_tile && !SmoothQ
                                        : Path == PVPath::e4m3_two_level || Path == PVPath::fp16);
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* const smem = reinterpret_cast<uint8_t*>(
+  auto& s = *reinterpret_cast<SharedStorage<D, PV::kVBytes, kQStage, PV::kOnesRows>*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  auto& s = *reinterpret_cast<SharedStorage<D, PV::kVBytes, kQStage, PV::kOnesRows>*>(smem);
-
-  // The pre-pass CTAs (prepass_ctas.cuh): the variants whose K/V pre-pass the dispatch may run
-  // inside this launch. They quantize and leave; the attention CTAs follow them in the grid.
-  constexpr bool kPrepassCtas = WithPrepass;
-  static_assert(!kPrepassCtas || prepass_capable(Path, KS, SmoothQ), "no pre-pass CTAs here");
-  static_assert(sizeof(PrepassShared<D>) <= sizeof(s), "the pre-pass scratch fits the attention's");
-  int cta = blockIdx.x;
-  if constexpr (kPrepassCtas) {
-    if (cta < p.prepass_ctas) {
-      if (threadIdx.x < quant::kTileThreads)
-        run_prepass_cta<D, T>(p.prepass, p.head_ready, cta, p.prepass_ctas,
-                              *reinterpret_cast<PrepassShared<D>*>(smem));
-      return;
-    }
-    cta -= p.prepass_ctas;
-  }
 
   // The CTA's items (sm90/schedule.cu), in work_order.h's order: the producer streams the K/V
   // tiles of all of them through one ring, so the next item's first tiles are loaded while the
   // consumers run the last one's epilogue, and the next item's Q rows are prefetched into L2
   // (below); no CTA exit and launch between items. All consumer warpgroups work on the same
   // item, within a stage or two of each other.
-  const CtaSlots mine = cta_slots(p.work, cta);
+  const CtaSlots mine = cta_slots(p.work, blockIdx.x);
   const int warpgroup = threadIdx.x / 128;
   const int group_size = p.heads_q / p.heads_kv;
 
@@ -273,17 +253,9 @@ __global__ void __launch_bounds__(CtaShape<D>::kThreads, 1)
       // A V tile row is kBlockKV * VBytes bytes: one 128-byte swizzle span per TMA box.
       constexpr int kVBoxes = PV::kVBytes;
       int fill = 0;  // K/V tiles put into the ring so far, over all items
-      int quantized_head = -1;  // the last kv head whose pre-pass flag was seen
       for (int w = mine.begin; w < mine.end; w += slot_step(p.work)) {
         const WorkItem item = work_item(p, w);
         const int hk = item.h / group_size;
-        if constexpr (kPrepassCtas) {
-          const int kv_head = item.b * p.heads_kv + hk;
-          if (p.prepass_ctas > 0 && kv_head != quantized_head) {
-            wait_head_quantized(p.head_ready, kv_head);
-            quantized_head = kv_head;
-          }
-        }
         const int k_row0 = (item.b * p.heads_kv + hk) * p.n_pad;
         const int v_row0 = (item.b * p.heads_kv + hk) * D;
         const int n_tiles = kv_tiles_for<D>(p, item.q_tile * kBlockQ);

@@ -42,9 +42,9 @@ inline void write_trace(int d, unsigned grid_ctas, cudaStream_t stream) {
 }
 #endif
 
-template <int D, class T, PVPath Path, KScales KS, bool SmoothQ, bool QStage, bool Prepass>
+template <int D, class T, PVPath Path, KScales KS, bool SmoothQ, bool QStage>
 void launch_attention_kernel(const AttentionParams& p, const AttentionMaps& maps, cudaStream_t stream) {
-  auto* kernel = attention_kernel<D, T, Path, KS, SmoothQ, QStage, Prepass>;
+  auto* kernel = attention_kernel<D, T, Path, KS, SmoothQ, QStage>;
   // + slack to align the base to 1024
   const size_t smem = sizeof(SharedStorage<D, v_bytes(Path), QStage, v_ones_rows(D, Path)>) + 1024;
   static std::once_flag attribute_set;
@@ -54,7 +54,7 @@ void launch_attention_kernel(const AttentionParams& p, const AttentionMaps& maps
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   });
   if (attribute_error != cudaSuccess) throw_cuda("cudaFuncSetAttribute(attention)", attribute_error);
-  const dim3 grid(unsigned(p.prepass_ctas + p.work.ctas));
+  const dim3 grid(unsigned(p.work.ctas));
   kernel<<<grid, CtaShape<D>::kThreads, smem, stream>>>(maps.k, maps.v, maps.q, p);
 #if SAGE_SM90_TRACE
   write_trace(D, grid.x, stream);
@@ -62,20 +62,13 @@ void launch_attention_kernel(const AttentionParams& p, const AttentionMaps& maps
 }
 
 // p.q_stage picks the instantiation with the Q stage (the dispatch sets it only where
-// q_stage_capable holds), p.prepass_ctas the one with pre-pass CTAs (only where
-// prepass_capable holds).
+// q_stage_capable holds).
 template <int D, class T, PVPath Path, KScales KS, bool SmoothQ>
 void launch_attention(const AttentionParams& p, const AttentionMaps& maps, cudaStream_t stream) {
-  if constexpr (prepass_capable(Path, KS, SmoothQ)) {
-    if (p.prepass_ctas > 0) {
-      if (p.q_stage) return launch_attention_kernel<D, T, Path, KS, SmoothQ, true, true>(p, maps, stream);
-      return launch_attention_kernel<D, T, Path, KS, SmoothQ, false, true>(p, maps, stream);
-    }
-  }
   if constexpr (q_stage_capable(Path, SmoothQ)) {
-    if (p.q_stage) return launch_attention_kernel<D, T, Path, KS, SmoothQ, true, false>(p, maps, stream);
+    if (p.q_stage) return launch_attention_kernel<D, T, Path, KS, SmoothQ, true>(p, maps, stream);
   }
-  launch_attention_kernel<D, T, Path, KS, SmoothQ, false, false>(p, maps, stream);
+  launch_attention_kernel<D, T, Path, KS, SmoothQ, false>(p, maps, stream);
 }
 
 }  // namespace sage::sm90

@@ -61,12 +61,6 @@ constexpr bool q_stage_capable(PVPath path, bool smooth_q) {
 // per_tensor, kKScalesPerTile slots) or one per token (per_token, prequantized inputs).
 enum class KScales : int { per_tile, per_token };
 
-// Whether a kernel variant can run the K/V pre-pass inside its own launch (prepass_ctas.cuh):
-// the SageAttention2 default path's (E4M3 V, per-tile K scales, no Q smoothing).
-constexpr bool prepass_capable(PVPath path, KScales k_scales, bool smooth_q) {
-  return path == PVPath::e4m3_two_level && k_scales == KScales::per_tile && !smooth_q;
-}
-
 // What the pre-pass writes and the attention kernel reads, per (batch, kv head).
 struct QuantizedKV {
   int8_t* k;         // [B, Hkv, n_pad, D] int8 (or int4 values), smoothed, row-major
@@ -139,12 +133,6 @@ struct AttentionParams {
   // bytes split 64-bit constant loads of later field pairs in two and moved ptxas's K/V loop
   // schedule (SASS).
   WorkSchedule work;
-  // The K/V pre-pass inside this launch (prepass_ctas.cuh): the grid's first prepass_ctas CTAs
-  // run it with `prepass` and publish each kv head in head_ready ([B * Hkv] ints, zeroed
-  // before the launch); 0: the pre-pass ran as its own launches before this one.
-  int prepass_ctas;
-  int* head_ready;
-  KVQuantParams prepass;
 };
 
 }  // namespace sage::sm90

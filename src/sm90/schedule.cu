@@ -157,8 +157,7 @@ WorkSchedule work_schedule(const AttentionParams& p, int head_dim, int v_bytes) 
   }
   if (s.order == WorkOrder::strided) {
     const int64_t units = strided_units(s);
-    // The SMs the pre-pass CTAs leave (prepass_ctas: set only on a strided schedule).
-    int64_t ctas = std::min<int64_t>(sm_count() - p.prepass_ctas, units);
+    int64_t ctas = std::min<int64_t>(sm_count(), units);
     if (const int forced = g_items_override.load(); forced > 0) {
       const int items_per_unit = s.causal && s.n_q_tiles > 1 ? 2 : 1;
       const int64_t units_per_cta = std::max(1, forced / items_per_unit);
@@ -217,41 +216,6 @@ bool take_q_stage(const AttentionParams& p, bool capable, int head_dim) {
 }
 
 void set_q_stage_override(QStageOverride mode) { g_q_stage_override.store(mode); }
-
-namespace {
-std::atomic<int> g_prepass_override{-1};
-std::atomic<int64_t> g_prepass_launches{0};
-// The share of the SMs the pre-pass CTAs take, as c / (c + q_load): q_load is the attention's
-// work per kv head over the pre-pass's, in units of a 1024-query head (Q rows per kv head,
-// halved under a causal mask). Provisional, from the A/B (docs/performance.md, v31).
-constexpr double kPrepassShare = 0.138;
-
-int choose_prepass_ctas(const AttentionParams& p) {
-  int forced = g_prepass_override.load();
-  static const int env = [] {
-    const char* e = std::getenv("SAGE_SM90_PREPASS_CTAS");
-    return e == nullptr ? -1 : std::max(0, std::atoi(e));
-  }();
-  if (forced < 0) forced = env;
-  const int sms = sm_count();
-  const int most = sms / 4;
-  if (forced >= 0) return std::min(forced, most);
-  const double q_load = double(p.heads_q / std::max(1, p.heads_kv)) * p.n_q / 1024.0 *
-                        (p.causal ? 0.5 : 1.0);
-  const int ctas = int(sms * kPrepassShare / (kPrepassShare + q_load) + 0.5);
-  return std::min(ctas, most);
-}
-
-}  // namespace
-
-int take_prepass_ctas(const AttentionParams& p) {
-  const int ctas = choose_prepass_ctas(p);
-  if (ctas > 0) g_prepass_launches.fetch_add(1, std::memory_order_relaxed);
-  return ctas;
-}
-
-void set_prepass_ctas_override(int ctas) { g_prepass_override.store(ctas); }
-int64_t prepass_launches() { return g_prepass_launches.load(); }
 int64_t q_stage_launches() { return g_q_stage_launches.load(); }
 
 }  // namespace sage::sm90

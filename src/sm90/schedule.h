@@ -48,14 +48,4 @@ void set_q_stage_override(QStageOverride mode);
 // Tests: launches that took the Q stage so far in this process.
 int64_t q_stage_launches();
 
-// How many CTAs of the attention launch run the K/V pre-pass (prepass_ctas.cuh), for a whole
-// call that may take it (the dispatch decides that; set p's problem fields first): 0 for the
-// pre-pass's own two launches before it. At most a quarter of the SMs. Counts the launches
-// that take some (prepass_launches). Overrides: SAGE_SM90_PREPASS_CTAS (read once; A/B runs)
-// and set_prepass_ctas_override (tests; -1 returns to the rule).
-int take_prepass_ctas(const AttentionParams& p);
-void set_prepass_ctas_override(int ctas);
-// Tests: launches that ran the pre-pass in their own CTAs so far in this process.
-int64_t prepass_launches();
-
 }  // namespace sage::sm90

@@ -8,10 +8,6 @@
 
 #include "gpu_harness.h"
 
-#ifdef SAGE_WITH_CUDA
-#include "sm90/schedule.h"
-#endif
-
 namespace sage::testing {
 namespace {
 
@@ -114,53 +110,6 @@ TEST(Sm90TwoStep, OneQuantizedKVServesTwoQuerySets) {
     EXPECT_TRUE(got2.out == want2.out && got2.lse == want2.lse) << recipe << ": second query set";
     EXPECT_TRUE(again1.out == want1.out && again1.lse == want1.lse) << recipe << ": first set, again";
   }
-}
-
-
-// The whole call with the pre-pass in the attention launch's own CTAs (sm90/prepass_ctas.cuh)
-// must give the two-launch pre-pass's bits: the same workspace values, so the same output.
-// Cases the dispatch lets take it (sage2_8b, no LSE, strided schedules), with one pre-pass CTA
-// (every head waits for the one before it), a few, and many; full and partial last tiles,
-// GQA and MQA, batch 3, NHD views with strides, bf16, one query against 4097 keys.
-TEST(Sm90TwoStep, PrepassInTheLaunchEqualsTheTwoLaunchPrePass) {
-  SAGE_REQUIRE_GPU();
-#ifdef SAGE_WITH_CUDA
-  std::vector<GpuCase> cases;
-  GpuCase a;
-  a.recipe = "sage2_8b", a.with_lse = false, a.batch = 2, a.heads_q = 4, a.heads_kv = 2;
-  a.n_q = 300, a.n_kv = 500, a.causal = true, a.distribution = "k_bias", a.seed = 31;
-  cases.push_back(a);
-  GpuCase b = a;
-  b.layout = Layout::NHD, b.strided = true, b.dtype = DType::bf16, b.causal = false;
-  b.head_dim = 64, b.n_q = 129, b.n_kv = 1000, b.seed = 32;
-  cases.push_back(b);
-  GpuCase c = a;
-  c.batch = 3, c.heads_q = 8, c.heads_kv = 8, c.n_q = 1024, c.n_kv = 1024, c.causal = false;
-  c.distribution = "outliers", c.seed = 33;
-  cases.push_back(c);
-  GpuCase d = a;
-  d.head_dim = 64, d.batch = 1, d.heads_q = 8, d.heads_kv = 1, d.n_q = 1, d.n_kv = 4097;
-  d.causal = false, d.seed = 34;
-  cases.push_back(d);
-  for (const GpuCase& g : cases) {
-    CaseTensors t(g);
-    const AttentionArgs args = t.device_args();
-    DeviceWorkspace ws(workspace_bytes(args));
-    quantize_only_kv(args, ws);
-    attention_from_quantized_kv(args, ws.get(), ws.bytes(), nullptr);
-    const Output want = collect(t);
-    for (int ctas : {1, 3, 16}) {
-      sm90::set_prepass_ctas_override(ctas);
-      const int64_t before = sm90::prepass_launches();
-      const Output got = one_call(t, args);
-      const bool took = sm90::prepass_launches() == before + 1;
-      sm90::set_prepass_ctas_override(-1);
-      EXPECT_TRUE(took) << g.describe() << ": the call did not take the pre-pass CTAs";
-      EXPECT_TRUE(got.out == want.out) << g.describe() << ", " << ctas
-                                       << " pre-pass CTAs: output differs from the two launches";
-    }
-  }
-#endif
 }
 
 }  // namespace
