@@ -18,13 +18,14 @@ ms, tops, device) and a Markdown table.
 """
 import argparse
 import json
-import math
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from records import markdown_table
 
 
 def median_ms(fn, warmup, iters):
@@ -41,25 +42,6 @@ def median_ms(fn, warmup, iters):
         times.append(start.elapsed_time(end))
     times.sort()
     return times[len(times) // 2]
-
-
-def markdown_table(records, dev, iters, recipe):
-    """One row per grid point: TOPS of each implementation and the ratios of whole calls; the
-    kernel-only column (records with whole_call false) shows what the K/V pre-pass costs."""
-    lines = [f"Whole-call TOPS on {dev} (median of {iters} CUDA-event timings; recipe {recipe}); "
-             "sagekit kernel-only: the attention kernel alone, on K/V quantized once.", "",
-             "| dtype | d | causal | N | sagekit | sagekit kernel-only | torch-flash | torch-cudnn | vs flash | vs cuDNN |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    keyed = {}
-    for r in records:
-        impl = r["impl"] if r.get("whole_call", True) else r["impl"] + " kernel-only"
-        keyed.setdefault((r["dtype"], r["d"], r["causal"], r["n"]), {})[impl] = r["tops"]
-    for (dt, d, c, n), row in keyed.items():
-        s, fl, cu = row.get("sagekit", math.nan), row.get("torch-flash", math.nan), row.get("torch-cudnn", math.nan)
-        kern = row.get("sagekit kernel-only", math.nan)
-        lines.append(f"| {dt} | {d} | {'yes' if c else 'no'} | {n} | {s:.0f} | {kern:.0f} | {fl:.0f} | {cu:.0f} | "
-                     f"{s / fl:.2f} | {s / cu:.2f} |")
-    return lines
 
 
 def main():
