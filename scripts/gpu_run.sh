@@ -2,6 +2,8 @@
 # One call on the GPU machine: build, GPU tests, sanitizers, Python package, benchmark.
 # Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [timingmodes] [profile] [ab] [knobs] [trace]
 # Results land in $OUT (at most 8 files come back): logs, JSON and Markdown.
+# bench: BENCH_RUNS runs of the grid (default 3), merged into $OUT/h100.{json,md} by their
+# per-point median (bench/merge_runs.py).
 # recipes (not a default stage; needs the python stage's package): every preset's whole-call
 # speed at d 64/128, N 1K/4K/16K, non-causal fp16 -> $OUT/h100_recipes.json, the file
 # docs/recipes.md's speed table reads (copy it to bench/results/, then bash scripts/gen_docs.sh).
