@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "sage/formats.h"
-#include "sm90/ptx.cuh"
+#include "numerics/formats.h"
+#include "common/ptx.cuh"
 
 using namespace sage;
 

@@ -17,7 +17,7 @@
 #include "gpu.h"
 #include "recipe_text.h"
 #include "sage/attention.h"
-#include "sage/formats.h"
+#include "numerics/formats.h"
 
 namespace sage::cli {
 namespace {
@@ -277,7 +277,7 @@ int run_bench(const std::vector<std::string>& args) {
       "over enough copies to exceed L2. TOPS = 4*B*H*N*N*d/time, halved for causal.\n"
       "Needs a CUDA build and a GPU of compute capability 9.0; exits 2 without one.",
       {{"recipe", "NAME[,NAME..]|all", "presets to time (default sage2_8b)"},
-       {"d", "LIST", "head dims, comma-separated (default 64,128)"},
+       {"d", "LIST", "head dims, comma-separated (default: every head dim this build has kernels for)"},
        {"causal", "no|yes|both", "causal masking (default both)"},
        {"n", "LIST", "sequence lengths (default 1K,2K,4K,8K,16K,32K)"},
        {"heads", "H", "query heads (default 32)"},
@@ -298,7 +298,7 @@ int run_bench(const std::vector<std::string>& args) {
   }
   BenchConfig c;
   c.recipes = flags.choices("recipe", "sage2_8b", names);
-  c.dims = flags.integers("d", {64, 128}, 1, 1024);
+  c.dims = flags.integers("d", built_gpu_head_dims(), 1, 1024);
   const std::string causal = flags.choice("causal", "both", {"no", "yes", "both"});
   c.causal = causal == "both" ? std::vector<std::string>{"no", "yes"}
                               : std::vector<std::string>{causal};

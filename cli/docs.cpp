@@ -16,7 +16,8 @@
 #include "common.h"
 #include "recipe_text.h"
 #include "sage/recipe.h"
-#include "sage/tile.h"
+#include "numerics/tile.h"
+#include "sm90/fwd/kernel_traits.h"
 
 namespace sage::cli {
 namespace {
@@ -149,7 +150,9 @@ std::string accum_words(const Recipe& r) {
 // that no run covered shows as "not measured" instead of disappearing from the page.
 // `bench/bench_sdpa.py --recipes all` (scripts/gpu_run.sh's "recipes" stage) times every
 // preset at exactly these points.
-constexpr int kSpeedDims[] = {64, 128};
+#define SAGE_SPEED_DIM(D) D,
+constexpr int kSpeedDims[] = {SAGE_SUPPORTED_HEAD_DIMS(SAGE_SPEED_DIM)};  // sm90/fwd/kernel_traits.h
+#undef SAGE_SPEED_DIM
 constexpr int kSpeedNs[] = {1024, 4096, 16384};
 
 struct SpeedCell {

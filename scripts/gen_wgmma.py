@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generates src/sm90/wgmma_ops.cuh: one inline-asm wrapper per warpgroup MMA shape we use.
+"""Generates src/sm90/mma/wgmma_ops.cuh: one inline-asm wrapper per warpgroup MMA shape we use.
 
 A wgmma names every accumulator register in its operand list (64 of them for m64n128), so
 the wrappers are generated rather than typed. Run: python3 scripts/gen_wgmma.py
@@ -91,7 +91,7 @@ def main():
         for acc in (False, True):
             out.append(emit(*op, acc))
     out.append("}  // namespace sage::sm90")
-    path = pathlib.Path(__file__).resolve().parent.parent / "src" / "sm90" / "wgmma_ops.cuh"
+    path = pathlib.Path(__file__).resolve().parent.parent / "src" / "sm90" / "mma" / "wgmma_ops.cuh"
     path.write_text("\n".join(out) + "\n")
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizers, Python package, benchmark.
-# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [timingmodes] [profile] [ab] [knobs] [trace]
+# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [timingmodes] [profile] [digest] [ab]
 # Results land in $OUT (at most 8 files come back): logs, JSON and Markdown.
 # bench: BENCH_RUNS runs of the grid (default 3), merged into $OUT/h100.{json,md} by their
 # per-point median (bench/merge_runs.py).
@@ -94,119 +94,60 @@ if has quickbench; then
   PYTHONUNBUFFERED=1 python3 bench/bench_sdpa.py --dims 64,128 --ns 1024,4096,16384 --causal 0,1 \
     --json "$OUT/h100.json" --markdown "$OUT/h100.md" 2>&1 | tail -30
 fi
+if has digest; then
+  # Bit-identity against an older tree in ab_old/ (an untracked copy, e.g. `git archive <commit>
+  # | tar -x -C ab_old`): both trees' libraries with every kernel variant, then
+  # bench/output_digest.cpp built against each, which prints a digest of the output and LSE
+  # bytes of every GPU preset on eight shapes. The two listings must be equal.
+  log "digest: outputs of ab_old/ and this tree, every GPU preset"
+  for side in old new; do
+    src=.; [ $side = old ] && src=ab_old
+    (cmake -S $src -B build-digest-$side -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAGE_BUILD_TESTS=OFF \
+      -DSAGE_BUILD_CLI=OFF > "$OUT/digest_build_$side.log" 2>&1 &&
+      ninja -C build-digest-$side -j8 sage >> "$OUT/digest_build_$side.log" 2>&1 &&
+      nvcc -std=c++17 -O2 -I$src/include bench/output_digest.cpp build-digest-$side/src/libsage.a \
+        -o build-digest-$side/digest >> "$OUT/digest_build_$side.log" 2>&1) &
+  done
+  wait
+  for side in old new; do
+    [ -x build-digest-$side/digest ] || { tail -20 "$OUT/digest_build_$side.log"; exit 1; }
+    build-digest-$side/digest > build-digest-$side/digests.txt || exit 1
+  done
+  cp build-digest-new/digests.txt "$OUT/digests.txt"
+  if diff build-digest-old/digests.txt build-digest-new/digests.txt > "$OUT/digest_diff.txt"; then
+    echo "digest: identical ($(wc -l < build-digest-new/digests.txt) cases, $(grep -c error: build-digest-new/digests.txt) refused alike)"
+  else
+    echo "digest: DIFFERENT"; head -20 "$OUT/digest_diff.txt"
+  fi
+fi
 if has ab; then
-  # A/B against an older tree in ab_old/ (an untracked copy, e.g. `git archive <commit> | tar
-  # -x -C ab_old`), optionally under run-time tuning variables (e.g. SAGE_SM90_CTA_TILES,
-  # docs/performance.md): every side is `sage bench`, alternated twice in one run so that clock
-  # drift hits all alike. ENVS="name=VAR=value VAR=value;name=..." lists this tree's sides
-  # (default: one, "new", as built); OLD_ENVS the same for ab_old's build (default: "old").
-  # AB_OLD_CUDA_FLAGS: build knobs for the old side (e.g. to measure one knob on a copy of
-  # this tree). AB_KNOBS="name=nvcc flags;..." adds builds of this tree with those flags as
-  # further sides (build knobs beside the A/B in the same run). AB_SPLIT=1 adds `--split`
-  # (pre-pass and kernel timed alone); AB_N, AB_CAUSAL, AB_RECIPE, AB_DTYPE (fp16, bf16) pick
-  # the grid. All sides are built with only sage2_8b's kernels unless AB_RECIPE names another
-  # preset. Lines go to $OUT/ab.txt as they come, so a run cut short by its time limit still
-  # reports. Time on the H100 (sage2_8b): the two builds ~90 s, then ~20 s per side and round
-  # for 8 points (~30 s with --split).
-  log "A/B against ab_old/: ${ENVS:-new=} ${AB_KNOBS:+knobs: $AB_KNOBS}"
+  # Speed A/B against an older tree in ab_old/: both built with only the recipe's kernels,
+  # then `sage bench` of each, alternated twice in one run so that clock drift hits both
+  # alike. AB_N, AB_CAUSAL (no, yes, both), AB_RECIPE, AB_DTYPE (fp16, bf16) pick the grid;
+  # AB_SPLIT=1 adds `--split` (pre-pass and kernel timed alone). Lines go to $OUT/ab.txt as
+  # they come, so a run cut short by its time limit still reports.
+  log "A/B against ab_old/"
   recipe=${AB_RECIPE:-sage2_8b}
   variants=all; [ "$recipe" = sage2_8b ] && variants=e4m3_two_level:per_tile:0
-  IFS=';' read -r -a ab_knobs <<< "${AB_KNOBS:-}"
-  builds=(old new)
-  for kv in "${ab_knobs[@]}"; do builds+=("${kv%%=*}"); done
-  for side in "${builds[@]}"; do
-    src=.; flags=${CUDA_FLAGS:-}
-    [ $side = old ] && src=ab_old && flags=${AB_OLD_CUDA_FLAGS:-}
-    for kv in "${ab_knobs[@]}"; do [ "${kv%%=*}" = $side ] && flags=${kv#*=}; done
+  for side in old new; do
+    src=.; [ $side = old ] && src=ab_old
     (cmake -S $src -B build-ab-$side -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAGE_BUILD_TESTS=OFF \
-      -DSAGE_KERNEL_VARIANTS=$variants -DCMAKE_CUDA_FLAGS="$flags" > "$OUT/ab_build_$side.log" 2>&1 &&
+      -DSAGE_KERNEL_VARIANTS=$variants > "$OUT/ab_build_$side.log" 2>&1 &&
       ninja -C build-ab-$side -j8 sage_cli >> "$OUT/ab_build_$side.log" 2>&1) &
   done
   wait
-  for side in "${builds[@]}"; do
+  for side in old new; do
     [ -x build-ab-$side/cli/sage ] || { tail -20 "$OUT/ab_build_$side.log"; exit 1; }
   done
-  IFS=';' read -r -a envs <<< "${ENVS:-new=}"
-  # A side's "VAR=value ... -- flags" passes the flags to `sage bench` (e.g. "-- --k-mean-stride 1").
-  bench_flags=
-  bench() {
-    timeout 150 "$@" bench --recipe $recipe --d 64,128 --n ${AB_N:-1024,4096,16384} \
-      --causal ${AB_CAUSAL:-no} --dtype ${AB_DTYPE:-fp16} --iters 20 ${AB_SPLIT:+--split} \
-      $bench_flags 2>&1 | grep -E "^ *recipe|^$recipe"
-  }
-  side_vars() {  # sets vars and bench_flags from one ENVS / OLD_ENVS entry's value
-    vars=$1 bench_flags=
-    if [[ " $vars " == *" -- "* ]]; then bench_flags=${vars#*-- }; vars=${vars%%--*}; fi
-  }
-  IFS=';' read -r -a old_envs <<< "${OLD_ENVS:-old=}"
   for round in 1 2; do
-    for kv in "${old_envs[@]}"; do
-      name=${kv%%=*}; side_vars "${kv#*=}"
-      echo "-- $name (old build): $vars (round $round)" | tee -a "$OUT/ab.txt"
-      bench env $vars build-ab-old/cli/sage | tee -a "$OUT/ab.txt"
-    done
-    for kv in "${envs[@]}"; do
-      name=${kv%%=*}; side_vars "${kv#*=}"
-      echo "-- $name: $vars (round $round)" | tee -a "$OUT/ab.txt"
-      bench env $vars build-ab-new/cli/sage | tee -a "$OUT/ab.txt"
-    done
-    bench_flags=
-    for kv in "${ab_knobs[@]}"; do
-      name=${kv%%=*}
-      echo "-- $name (this tree, ${kv#*=}) (round $round)" | tee -a "$OUT/ab.txt"
-      bench build-ab-$name/cli/sage | tee -a "$OUT/ab.txt"
+    for side in old new; do
+      echo "-- $side (round $round)" | tee -a "$OUT/ab.txt"
+      timeout 300 build-ab-$side/cli/sage bench --recipe $recipe --d 64,128 --n ${AB_N:-1024,4096,16384} \
+        --causal ${AB_CAUSAL:-no} --dtype ${AB_DTYPE:-fp16} --iters 20 ${AB_SPLIT:+--split} 2>&1 |
+        grep -E "^ *recipe|^$recipe" | tee -a "$OUT/ab.txt"
     done
   done
-fi
-if has knobs; then
-  # Build-knob A/B of this tree: KNOBS="name=nvcc flags;name=flags;..." (e.g.
-  # "base=;spin=-DSAGE_SM90_PRODUCER_SLEEP=0"), each built with only sage2_8b's kernels
-  # (SAGE_KERNEL_VARIANTS), then `sage bench --split` of all alternated twice in one run.
-  log "knob A/B: ${KNOBS:-}"
-  # Builds run side by side (16 cores); lines go to $OUT/knobs.txt as they come.
-  IFS=';' read -r -a knobs <<< "${KNOBS:-base=}"
-  for kv in "${knobs[@]}"; do
-    name=${kv%%=*}; flags=${kv#*=}
-    (cmake -S . -B build-knob-$name -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAGE_BUILD_TESTS=OFF \
-      -DSAGE_KERNEL_VARIANTS=e4m3_two_level:per_tile:0 -DCMAKE_CUDA_FLAGS="$flags" \
-      > "$OUT/knob_build_$name.log" 2>&1 && ninja -C build-knob-$name -j8 sage_cli >> "$OUT/knob_build_$name.log" 2>&1) &
-  done
-  wait
-  for kv in "${knobs[@]}"; do
-    name=${kv%%=*}
-    [ -x build-knob-$name/cli/sage ] || { tail -30 "$OUT/knob_build_$name.log"; exit 1; }
-  done
-  for round in 1 2; do
-    for kv in "${knobs[@]}"; do
-      name=${kv%%=*}
-      echo "-- $name (round $round)" | tee -a "$OUT/knobs.txt"
-      timeout 150 build-knob-$name/cli/sage bench --recipe ${AB_RECIPE:-sage2_8b} --d 64,128 \
-        --n ${AB_N:-1024,4096,16384} --causal ${AB_CAUSAL:-no} --iters 20 --split 2>&1 |
-        grep -E "^sage2|^ *recipe|^[a-z0-9_]+ +fp16" | tee -a "$OUT/knobs.txt" | tail -9
-    done
-  done
-fi
-if has trace; then
-  # The attention kernel's timeline (src/sm90/trace.cuh): a -DSAGE_SM90_TRACE=1 build of the
-  # sage2_8b kernels, one `sage bench` per point with the last launch's events written out, and
-  # bench/trace_report.py's table of stage times -> $OUT/trace.md (the raw files in
-  # $OUT/traces.tar.gz). TRACE_POINTS: "d n causal;..."; TRACE_ENV: variables for every run
-  # (e.g. SAGE_SM90_Q_STAGE=0).
-  log "trace: ${TRACE_POINTS:-128 1024 no;128 4096 no;128 16384 no}"
-  cmake -S . -B build-trace -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAGE_BUILD_TESTS=OFF \
-    -DSAGE_KERNEL_VARIANTS=e4m3_two_level:per_tile:0 -DCMAKE_CUDA_FLAGS="-DSAGE_SM90_TRACE=1 ${CUDA_FLAGS:-}" \
-    > "$OUT/trace_build.log" 2>&1 && ninja -C build-trace -j16 sage_cli >> "$OUT/trace_build.log" 2>&1 ||
-    { tail -30 "$OUT/trace_build.log"; exit 1; }
-  IFS=';' read -r -a points <<< "${TRACE_POINTS:-128 1024 no;128 4096 no;128 16384 no}"
-  mkdir -p build-trace/traces
-  for point in "${points[@]}"; do
-    set -- $point
-    f=build-trace/traces/d$1_n$2_causal_$3.bin
-    env ${TRACE_ENV:-} SAGE_TRACE_OUT=$f timeout 120 build-trace/cli/sage bench --recipe sage2_8b \
-      --d $1 --n $2 --causal $3 --warmup 1 --iters 3 > /dev/null 2>&1
-    python3 bench/trace_report.py $f | tee -a "$OUT/trace.md"
-  done
-  tar -czf "$OUT/traces.tar.gz" -C build-trace traces
+  python3 bench/ab_compare.py "$OUT/ab.txt" | tee "$OUT/ab_summary.md"
 fi
 if has profile; then
   # Nsight Compute on one whole call of sage2_8b (the K/V pre-pass kernels and the attention

@@ -13,14 +13,17 @@
 #include "sage/error.h"
 #include "sage/recipe.h"
 #include "sage/tensor.h"
+#include "sm90/fwd/kernel_traits.h"
 
 namespace sage {
 namespace {
 
-// Head dims the GPU kernels exist for. A CUDA build reports the subset it instantiated
-// (SAGE_HEAD_DIMS) through gpu_head_dims(), and that is what the check uses; a CPU-only build
-// reports none, and its GPU entry points refuse every call anyway.
-constexpr int64_t kGpuHeadDims[] = {64, 128};
+// Head dims the GPU kernels exist for (sm90/fwd/kernel_traits.h). A CUDA build reports the
+// subset it instantiated (SAGE_HEAD_DIMS) through gpu_head_dims(), and that is what the check
+// uses; a CPU-only build reports none, and its GPU entry points refuse every call anyway.
+#define SAGE_HEAD_DIM_ENTRY(D) D,
+constexpr int64_t kGpuHeadDims[] = {SAGE_SUPPORTED_HEAD_DIMS(SAGE_HEAD_DIM_ENTRY)};
+#undef SAGE_HEAD_DIM_ENTRY
 
 std::vector<int64_t> gpu_head_dims_of_build() {
   std::vector<int64_t> dims;

@@ -11,12 +11,12 @@
 
 #include "quant/kv_prepass.cuh"
 #include "sage/attention.h"
-#include "sage/quant_rules.h"
-#include "sage/tile.h"
-#include "sm90/head_dims.h"
-#include "sm90/kernel_params.h"
-#include "sm90/schedule.h"
-#include "sm90/tma_maps.h"
+#include "numerics/quant_rules.h"
+#include "numerics/tile.h"
+#include "built_kernels.h"
+#include "sm90/fwd/params.h"
+#include "sm90/fwd/tile_scheduler.h"
+#include "sm90/fwd/tma_maps.h"
 
 namespace sage {
 namespace sm90 {
@@ -78,15 +78,15 @@ std::string gpu_variant(const Recipe& r, KernelVariant& v) {
 #undef SAGE_MATCH_VARIANT
   if (!built)
     return "a combination of PV path, K scale layout and Q smoothing that has a kernel (see "
-           "src/sm90/instantiate.cmake)";
+           "src/sm90/fwd/instantiate.cmake)";
   // The kernel takes the integer row max exactly for per-tile K scales without Q smoothing
-  // (attention_kernel.cuh, kIntegerMax); the simulator, for the recipes of this rule. They
+  // (sm90/fwd/kernel_config.cuh, kIntegerMax); the simulator, for the recipes of this rule. They
   // must be the same set, or the GPU would not compute what the simulator does.
   const bool kernel_integer_max = v.k_scales == sm90::KScales::per_tile && !v.smooth_q;
   if (kernel_integer_max != rules::integer_row_max(r))
     throw std::logic_error("sage: internal error: the sm_90 kernel's row max path for recipe '" +
                            r.name + "' disagrees with rules::integer_row_max");
-  // The same for P's scale in the exponent (attention_kernel.cuh, kPScaleMode).
+  // The same for P's scale in the exponent (kernel_config.cuh, kPScaleMode).
   const bool kernel_p_in_exponent = kernel_integer_max && v.path == sm90::PVPath::e4m3_two_level;
   if (kernel_p_in_exponent != rules::p_scale_in_exponent(r))
     throw std::logic_error("sage: internal error: the sm_90 kernel's P scale for recipe '" +
@@ -143,7 +143,7 @@ WorkspaceLayout workspace_layout(const Problem& pr, sm90::PVPath path) {
   w.k = take(heads * w.n_pad * d);
   w.vt = take(heads * w.n_pad * d * sm90::v_bytes(path));
   // One float per token covers both layouts (per tile: kKScalesPerTile <= kBlockKV slots).
-  static_assert(sm90::kKScalesPerTile <= sm90::kBlockKV);
+  static_assert(quant::kKScalesPerTile <= quant::kKVTile);
   w.k_scale = take(heads * w.n_pad * sizeof(float));
   w.k_mean = take(heads * d * sizeof(float));
   w.v_scale = take(heads * d * sizeof(float));
@@ -154,8 +154,8 @@ WorkspaceLayout workspace_layout(const Problem& pr, sm90::PVPath path) {
   return w;
 }
 
-sm90::QuantizedKV quantized_kv_at(uint8_t* ws, const WorkspaceLayout& w) {
-  sm90::QuantizedKV kv;
+quant::QuantizedKV quantized_kv_at(uint8_t* ws, const WorkspaceLayout& w) {
+  quant::QuantizedKV kv;
   kv.k = reinterpret_cast<int8_t*>(ws + w.k);
   kv.vt = ws + w.vt;
   kv.k_scale = reinterpret_cast<float*>(ws + w.k_scale);
@@ -193,7 +193,7 @@ void run_quantize_kv(const AttentionArgs& args, const Problem& pr, const KernelV
   if (pr.batch == 0 || pr.heads_kv == 0 || pr.n_kv == 0) return;
   const WorkspaceLayout w = workspace_layout(pr, v.path);
   const Recipe& r = args.recipe;
-  sm90::KVQuantParams qp{};
+  quant::KVQuantParams qp{};
   qp.k = args.k.data;
   qp.v = args.v.data;
   const Dims ks = strides_of(args.k, args.layout), vs = strides_of(args.v, args.layout);
@@ -205,7 +205,7 @@ void run_quantize_kv(const AttentionArgs& args, const Problem& pr, const KernelV
   qp.k_max = qk_format_max(r);
   qp.smooth_k = r.smooth_k, qp.smooth_v = r.smooth_v;
   qp.k_mean_stride = r.k_mean_stride;
-  qp.pv_path = v.path;
+  qp.v_format = sm90::v_format(v.path);
   qp.v_per_tensor = r.v_scale == VScale::per_tensor;
   qp.v_max = rules::v_static_max(r);  // unused for fp16 V, which is not scaled
   if (r.inputs == Inputs::prequantized_int8) {
@@ -220,7 +220,7 @@ void run_quantize_kv(const AttentionArgs& args, const Problem& pr, const KernelV
   qp.out = quantized_kv_at(ws, w);
   quant::launch_kv_prepass<D, T>(qp, stream);
   const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) sm90::throw_cuda("K/V pre-pass launch", err);
+  if (err != cudaSuccess) throw_cuda("K/V pre-pass launch", err);
 }
 
 template <int D, class T>
@@ -272,7 +272,7 @@ void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVar
   SAGE_FOR_EACH_KERNEL_VARIANT(SAGE_LAUNCH_VARIANT)
 #undef SAGE_LAUNCH_VARIANT
   const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) sm90::throw_cuda("attention launch", err);
+  if (err != cudaSuccess) throw_cuda("attention launch", err);
 }
 
 enum class Step { quantize_kv, attention };

@@ -11,7 +11,7 @@
 
 #include "sage/calibrate.h"
 #include "sage/error.h"
-#include "sage/formats.h"
+#include "numerics/formats.h"
 
 namespace sage {
 namespace {

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "sage/error.h"
-#include "sage/formats.h"
+#include "numerics/formats.h"
 
 namespace sage::hw {
 namespace {

@@ -9,11 +9,11 @@
 
 #include "common/vec_io.cuh"
 #include "sage/error.h"
-#include "sage/quant_rules.h"
-#include "sage/tile.h"
-#include "sm90/head_dims.h"
-#include "sm90/ptx.cuh"
-#include "sm90/tma_maps.h"
+#include "numerics/quant_rules.h"
+#include "numerics/tile.h"
+#include "built_kernels.h"
+#include "common/ptx.cuh"
+#include "common/cuda_check.h"
 
 namespace sage::quant {
 namespace {
@@ -142,7 +142,7 @@ __device__ __forceinline__ void combine_cta_stats(const ChannelStats<T>& st, int
 // run-time loop bound, the 8-CTA form cost 1-3% of the pre-pass (v30's first form).
 template <int D, class T, int Ctas>
 __global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
-    kv_stats_kernel(const sm90::KVQuantParams p) {
+    kv_stats_kernel(const KVQuantParams p) {
   namespace cg = cooperative_groups;
   constexpr int kLanesPerRow = D / 8;
   constexpr int kRowsPerIter = kThreads / kLanesPerRow;
@@ -238,7 +238,7 @@ __global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
       all_k = fmaxf(all_k, s_warp_amax[0][w]), all_v = fmaxf(all_v, s_warp_amax[1][w]);
     if (p.v_per_tensor) vamax = all_v;  // INT-FlashAttention: one scale over all channels
     // fp16 V is not scaled: the kernel's epilogue multiplies by 1.
-    const bool v_fp16 = p.pv_path == sm90::PVPath::fp16;
+    const bool v_fp16 = p.v_format == VFormat::fp16;
     p.out.v_scale[head * D + c] = v_fp16 ? 1.f : rules::symmetric_scale(vamax, p.v_max);
     p.out.v_inv[head * D + c] = v_fp16 ? 1.f : rules::symmetric_inverse(vamax, p.v_max);
     if (c == 0) p.out.k_amax[head] = all_k;
@@ -248,10 +248,7 @@ __global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
 
 // Bytes per transposed V row in shared memory: a tile's tokens plus 4 bytes of padding per
 // byte of element, which breaks the transpose's bank conflicts.
-constexpr int kVtPitch8 = sm90::kBlockKV + 4;
-
-// V's format in the workspace: E4M3 (both E4M3 PV paths), INT8 or fp16.
-enum class VFormat { e4m3, int8, fp16 };
+constexpr int kVtPitch8 = kKVTile + 4;
 
 // Two V values (already smoothed and scaled) in the format, `lo` in the low bits: E4M3 or
 // INT8 bytes, or fp16 halves saturated to the finite range as the simulator's
@@ -276,13 +273,13 @@ __device__ __forceinline__ uint32_t encode_v_pair(float lo, float hi) {
 // template parameter: as a run-time value, each 32-bit word's row and column took an integer
 // division and a remainder, ~8% of the quantize kernel's instructions (ncu, H200, v21b).
 template <int D, int VBytes>
-__device__ __forceinline__ void store_vt_tile(const sm90::KVQuantParams& p, int b, int h, int tile,
+__device__ __forceinline__ void store_vt_tile(const KVQuantParams& p, int b, int h, int tile,
                                               const uint8_t* s_vt) {
-  constexpr int kWordsPerRow = sm90::kBlockKV * VBytes / 4, kPitch = VBytes * kVtPitch8;
+  constexpr int kWordsPerRow = kKVTile * VBytes / 4, kPitch = VBytes * kVtPitch8;
   static_assert(D * kWordsPerRow % kThreads == 0, "whole rounds of words");
   const int64_t row_bytes = int64_t(p.n_pad) * VBytes;
   uint8_t* vt = p.out.vt + ((int64_t)b * p.heads_kv + h) * D * row_bytes +
-                int64_t(tile) * sm90::kBlockKV * VBytes + 4 * (threadIdx.x % kWordsPerRow);
+                int64_t(tile) * kKVTile * VBytes + 4 * (threadIdx.x % kWordsPerRow);
   const uint8_t* src = s_vt + 4 * (threadIdx.x % kWordsPerRow);
 #pragma unroll 4
   for (int round = 0; round < D * kWordsPerRow / kThreads; ++round) {
@@ -300,22 +297,22 @@ __device__ __forceinline__ void store_vt_tile(const sm90::KVQuantParams& p, int 
 // kFull: n_kv is a multiple of kBlockKV, so no token of the tile is padding and the
 // per-element padding tests go (kv_quantize_kernel).
 template <int D, class T, bool kFull>
-__device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, int tile, int h,
+__device__ __forceinline__ void quantize_k_tile(const KVQuantParams& p, int tile, int h,
                                                 int b) {
   constexpr int kLanesPerRow = D / 8;
   constexpr int kRowsPerIter = kThreads / kLanesPerRow;
-  constexpr int kRows = sm90::kBlockKV / kRowsPerIter;  // rows per thread
+  constexpr int kRows = kKVTile / kRowsPerIter;  // rows per thread
   const int lane_c = threadIdx.x % kLanesPerRow, r0 = threadIdx.x / kLanesPerRow;
   const int64_t head = (int64_t)b * p.heads_kv + h;
   __shared__ __align__(16) float s_kmean[D];
-  __shared__ float s_row_amax[sm90::kBlockKV];
-  __shared__ float s_kinv[sm90::kBlockKV];  // per token, or the tile's per-thread groups
+  __shared__ float s_row_amax[kKVTile];
+  __shared__ float s_kinv[kKVTile];  // per token, or the tile's per-thread groups
 
   const T* kb = static_cast<const T*>(p.k) + b * p.k_stride_b + h * p.k_stride_h + lane_c * 8;
   uint4 raw[kRows];
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
-    const int t = tile * sm90::kBlockKV + r0 + i * kRowsPerIter;
+    const int t = tile * kKVTile + r0 + i * kRowsPerIter;
     // Zeros past n_kv: padding never counts toward a scale.
     raw[i] = kFull || t < p.n_kv
                  ? *reinterpret_cast<const uint4*>(kb + (int64_t)t * p.k_stride_n)
@@ -350,7 +347,7 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
       float km[8];
       kmean8(km);
       float amax = 0.f;
-      if (kFull || tile * sm90::kBlockKV + r < p.n_kv)
+      if (kFull || tile * kKVTile + r < p.n_kv)
 #pragma unroll
         for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(__fsub_rn(x[j], km[j])));
 #pragma unroll
@@ -369,7 +366,7 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
     ext.init();
 #pragma unroll
     for (int i = 0; i < kRows; ++i)
-      if (kFull || tile * sm90::kBlockKV + r0 + i * kRowsPerIter < p.n_kv)
+      if (kFull || tile * kKVTile + r0 + i * kRowsPerIter < p.n_kv)
         ext.add_extremes(raw[i]);
     float km[8];
     kmean8(km);
@@ -386,26 +383,26 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
   __syncthreads();
   const float k_max = float(p.k_max);
   if (per_token) {
-    if (threadIdx.x < sm90::kBlockKV) {
+    if (threadIdx.x < kKVTile) {
       const int r = threadIdx.x;
       s_kinv[r] = rules::symmetric_inverse(s_row_amax[r], k_max);
-      p.out.k_scale[head * p.n_pad + tile * sm90::kBlockKV + r] =
+      p.out.k_scale[head * p.n_pad + tile * kKVTile + r] =
           rules::symmetric_scale(s_row_amax[r], k_max);
     }
   } else if (threadIdx.x < 32) {
     // One warp reduces the kRowsPerIter (16 or 32) entries (max is exact in any order): lane
     // l takes entry l, whose rows lie in thread group (l % 8) / 2, as do lanes l ^ 1, l ^ 8 and
     // l ^ 16. (Until v11 four threads each scanned all 128 rows while the CTA waited.)
-    static_assert(sm90::kBlockKV == 128 && sm90::kKScalesPerTile == 4 && kRowsPerIter <= 32 &&
+    static_assert(kKVTile == 128 && kKScalesPerTile == 4 && kRowsPerIter <= 32 &&
                       kRowsPerIter % 8 == 0, "lane map");
     const int lane = threadIdx.x;
     float amax = lane < kRowsPerIter ? s_row_amax[lane] : 0.f;
     for (int off : {1, 8, 16}) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
     const float tile_amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
     const int g = lane;  // lanes 0..3 write group g, whose maximum lane 2g holds
-    const float group_amax = __shfl_sync(0xffffffffu, amax, 2 * (g % sm90::kKScalesPerTile));
+    const float group_amax = __shfl_sync(0xffffffffu, amax, 2 * (g % kKScalesPerTile));
     const float both_groups = __shfl_sync(0xffffffffu, tile_amax, 4);
-    if (g < sm90::kKScalesPerTile) {
+    if (g < kKScalesPerTile) {
       float a;
       switch (p.k_granularity) {
         case Granularity::per_thread: a = group_amax; break;
@@ -415,12 +412,12 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
           break;
       }
       s_kinv[g] = rules::symmetric_inverse(a, k_max);
-      p.out.k_scale[(head * (p.n_pad / sm90::kBlockKV) + tile) * sm90::kKScalesPerTile + g] =
+      p.out.k_scale[(head * (p.n_pad / kKVTile) + tile) * kKScalesPerTile + g] =
           rules::symmetric_scale(a, k_max);
     }
   }
   __syncthreads();
-  int8_t* kq = p.out.k + (head * p.n_pad + tile * sm90::kBlockKV) * D + lane_c * 8;
+  int8_t* kq = p.out.k + (head * p.n_pad + tile * kKVTile) * D + lane_c * 8;
   // The codes of rules::round_clamp, as the Q path gets them (q_operand.cuh, docs/numerics.md
   // step 3): the low byte of the product plus 1.5 * 2^23, and no clamp, which never acts since
   // each smoothed value is at most its group's amax in magnitude (the amax above, or per
@@ -435,7 +432,7 @@ __device__ __forceinline__ void quantize_k_tile(const sm90::KVQuantParams& p, in
     const float inv = s_kinv[p.k_granularity == Granularity::per_token    ? r
                              : p.k_granularity == Granularity::per_thread ? (r % 8) / 2
                                                                           : 0];
-    const bool valid = kFull || tile * sm90::kBlockKV + r < p.n_kv;
+    const bool valid = kFull || tile * kKVTile + r < p.n_kv;
     float x[8], km[8];
     gpu::unpack8<T>(raw[i], x);
     kmean8(km);
@@ -458,7 +455,7 @@ __host__ __device__ constexpr int quad_token_base(int quad) {
   return 32 * (quad / 8) + 16 * ((quad / 4) % 2) + 2 * (quad % 4);
 }
 constexpr bool quad_tokens_match() {
-  for (int pos = 0; pos < sm90::kBlockKV; ++pos) {
+  for (int pos = 0; pos < kKVTile; ++pos) {
     const int i = pos % 4;
     const int token = 32 * (pos / 32) + pv_token_at_position(pos % 32);
     if (quad_token_base(pos / 4) + (i < 2 ? i : 6 + i) != token) return false;
@@ -480,10 +477,10 @@ static_assert(quad_tokens_match(), "quad_token_base agrees with pv_token_at_posi
 // (Until v11 each thread stored single bytes of one token's channels: 4x the shared-memory
 // stores, 4-way bank conflicts.)
 template <int D, class T, VFormat F, bool kFull>
-__device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, int tile, int h,
+__device__ __forceinline__ void quantize_v_tile(const KVQuantParams& p, int tile, int h,
                                                 int b, uint8_t* s_vt) {
   constexpr int kChunks = D / 8;                 // 8-channel pieces of a token's row
-  constexpr int kQuads = sm90::kBlockKV / 4;     // groups of four stored positions per tile
+  constexpr int kQuads = kKVTile / 4;     // groups of four stored positions per tile
   constexpr int kChunksPerWarp = kChunks == 8 ? 8 : 4, kQuadsPerWarp = 32 / kChunksPerWarp;
   constexpr int kUnits = kQuads * kChunks / kThreads;  // (quad, chunk) units per thread
   static_assert(kQuads * kChunks % kThreads == 0 && kQuads % kQuadsPerWarp == 0 &&
@@ -514,7 +511,7 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
   for (int k = 0; k < kUnits; ++k)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int t = tile * sm90::kBlockKV + token_at(unit_quad(k), i);
+      const int t = tile * kKVTile + token_at(unit_quad(k), i);
       // Zeros past n_kv: padding never counts toward a scale.
       raw[k][i] = kFull || t < p.n_kv ? *reinterpret_cast<const uint4*>(
                                             vb + (int64_t)t * p.v_stride_n + unit_chunk(k) * 8)
@@ -534,7 +531,7 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
     bool valid[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i)
-      valid[i] = kFull || tile * sm90::kBlockKV + token_at(quad, i) < p.n_kv;
+      valid[i] = kFull || tile * kKVTile + token_at(quad, i) < p.n_kv;
     // One 32-bit word (two channels) of the four tokens at a time: 8 floats live, not 32 (with
     // all 32 the fp16 d = 128 kernel took 80 registers, three CTAs per SM instead of four).
 #pragma unroll
@@ -573,16 +570,16 @@ __device__ __forceinline__ void quantize_v_tile(const sm90::KVQuantParams& p, in
 // six CTAs per SM at d = 64 (40 registers, no spills), four at d = 128 (64; it needs ~60).
 template <int D, class T, bool kFull>
 __global__ void __launch_bounds__(kThreads, D == 64 ? 6 : 4)
-    kv_quantize_kernel(const sm90::KVQuantParams p) {
+    kv_quantize_kernel(const KVQuantParams p) {
   // The transposed V tile: dynamic, sized by the launch for the path's element size, so that
   // 8-bit V does not pay fp16's shared memory in occupancy.
   extern __shared__ __align__(16) uint8_t s_vt[];
   const int tile = blockIdx.x / 2, h = blockIdx.y, b = blockIdx.z;
   if (blockIdx.x % 2 == 0)
     quantize_k_tile<D, T, kFull>(p, tile, h, b);
-  else if (p.pv_path == sm90::PVPath::fp16)
+  else if (p.v_format == VFormat::fp16)
     quantize_v_tile<D, T, VFormat::fp16, kFull>(p, tile, h, b, s_vt);
-  else if (p.pv_path == sm90::PVPath::int8)
+  else if (p.v_format == VFormat::int8)
     quantize_v_tile<D, T, VFormat::int8, kFull>(p, tile, h, b, s_vt);
   else
     quantize_v_tile<D, T, VFormat::e4m3, kFull>(p, tile, h, b, s_vt);
@@ -592,10 +589,10 @@ __global__ void __launch_bounds__(kThreads, D == 64 ? 6 : 4)
 // one launch copies K with its per-token scales into the workspace layout, transposes V with
 // the P-layout permutation, and broadcasts V's scales to one per channel.
 template <int D>
-__global__ void __launch_bounds__(kThreads) kv_copy_prequantized_kernel(const sm90::KVQuantParams p) {
+__global__ void __launch_bounds__(kThreads) kv_copy_prequantized_kernel(const KVQuantParams p) {
   constexpr int kLanesPerRow = D / 8;
   constexpr int kRowsPerIter = kThreads / kLanesPerRow;
-  constexpr int kRows = sm90::kBlockKV / kRowsPerIter;
+  constexpr int kRows = kKVTile / kRowsPerIter;
   const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int lane_c = threadIdx.x % kLanesPerRow, r0 = threadIdx.x / kLanesPerRow;
   __shared__ __align__(16) uint8_t s_vt[D * kVtPitch8];
@@ -608,18 +605,18 @@ __global__ void __launch_bounds__(kThreads) kv_copy_prequantized_kernel(const sm
     p.out.k_mean[head * D + c] = 0.f;
     p.out.v_mean[head * D + c] = 0.f;
   }
-  if (threadIdx.x < sm90::kBlockKV) {
-    const int t = tile * sm90::kBlockKV + threadIdx.x;
+  if (threadIdx.x < kKVTile) {
+    const int t = tile * kKVTile + threadIdx.x;
     p.out.k_scale[head * p.n_pad + t] =
         t < p.n_kv ? p.k_scale_in[b * p.ks_stride_b + h * p.ks_stride_h + t * p.ks_stride_n] : 0.f;
   }
   const int8_t* kb = static_cast<const int8_t*>(p.k) + b * p.k_stride_b + h * p.k_stride_h + lane_c * 8;
   const int8_t* vb = static_cast<const int8_t*>(p.v) + b * p.v_stride_b + h * p.v_stride_h + lane_c * 8;
-  int8_t* kq = p.out.k + (head * p.n_pad + tile * sm90::kBlockKV) * D + lane_c * 8;
+  int8_t* kq = p.out.k + (head * p.n_pad + tile * kKVTile) * D + lane_c * 8;
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     const int r = r0 + i * kRowsPerIter;
-    const int t = tile * sm90::kBlockKV + r;
+    const int t = tile * kKVTile + r;
     uint2 kw = make_uint2(0, 0), vw = make_uint2(0, 0);
     if (t < p.n_kv) {
       kw = *reinterpret_cast<const uint2*>(kb + (int64_t)t * p.k_stride_n);
@@ -638,13 +635,13 @@ __global__ void __launch_bounds__(kThreads) kv_copy_prequantized_kernel(const sm
 }  // namespace
 
 template <int D, class T>
-void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream) {
+void launch_kv_prepass(const KVQuantParams& p, cudaStream_t stream) {
   if (p.k_scale_in != nullptr) {
-    const dim3 grid(p.n_pad / sm90::kBlockKV, p.heads_kv, p.batch);
+    const dim3 grid(p.n_pad / kKVTile, p.heads_kv, p.batch);
     kv_copy_prequantized_kernel<D><<<grid, kThreads, 0, stream>>>(p);
     return;
   }
-  sm90::KVQuantParams q = p;
+  KVQuantParams q = p;
   // Set here, not in the kernel: the first form divided in every CTA before its first load
   // and, with a loop of single loads for the last round, cost the pre-pass 2-6% at stride 1
   // (docs/performance.md, v29).
@@ -658,24 +655,24 @@ void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream) {
     kv_stats_kernel<D, T, kStatsCtas / 2><<<stats_grid, kThreads, 0, stream>>>(q);
   // Programmatic dependent launch: see launch_dependent_grids in kv_stats_kernel.
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(2 * (p.n_pad / sm90::kBlockKV), p.heads_kv, p.batch);
+  cfg.gridDim = dim3(2 * (p.n_pad / kKVTile), p.heads_kv, p.batch);
   cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = size_t(D) * sm90::v_bytes(p.pv_path) * kVtPitch8;  // < 48 KiB
+  cfg.dynamicSmemBytes = size_t(D) * v_format_bytes(p.v_format) * kVtPitch8;  // < 48 KiB
   cfg.stream = stream;
   cudaLaunchAttribute pdl{};
   pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   pdl.val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = &pdl;
   cfg.numAttrs = 1;
-  const bool full_tiles = p.n_kv % sm90::kBlockKV == 0;
+  const bool full_tiles = p.n_kv % kKVTile == 0;
   const cudaError_t err = full_tiles ? cudaLaunchKernelEx(&cfg, kv_quantize_kernel<D, T, true>, q)
                                      : cudaLaunchKernelEx(&cfg, kv_quantize_kernel<D, T, false>, q);
-  if (err != cudaSuccess) sm90::throw_cuda("K/V quantize launch", err);
+  if (err != cudaSuccess) throw_cuda("K/V quantize launch", err);
 }
 
 #define SAGE_INSTANTIATE_PREPASS(D)                                                        \
-  template void launch_kv_prepass<D, __half>(const sm90::KVQuantParams&, cudaStream_t);   \
-  template void launch_kv_prepass<D, __nv_bfloat16>(const sm90::KVQuantParams&, cudaStream_t);
+  template void launch_kv_prepass<D, __half>(const KVQuantParams&, cudaStream_t);   \
+  template void launch_kv_prepass<D, __nv_bfloat16>(const KVQuantParams&, cudaStream_t);
 SAGE_FOR_EACH_HEAD_DIM(SAGE_INSTANTIATE_PREPASS)
 
 }  // namespace sage::quant

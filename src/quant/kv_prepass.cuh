@@ -12,7 +12,7 @@
 
 #include <cstdint>
 
-#include "sm90/kernel_params.h"
+#include "quant/kv_layout.h"
 
 namespace sage::quant {
 
@@ -42,6 +42,6 @@ constexpr bool pv_positions_invert() {
 static_assert(pv_positions_invert(), "pv_token_at_position inverts pv_position_of_token");
 
 template <int D, class T>
-void launch_kv_prepass(const sm90::KVQuantParams& p, cudaStream_t stream);
+void launch_kv_prepass(const KVQuantParams& p, cudaStream_t stream);
 
 }  // namespace sage::quant

@@ -5,8 +5,8 @@
 #include <cmath>
 #include <limits>
 
-#include "sage/quant_rules.h"
-#include "sage/tile.h"
+#include "numerics/quant_rules.h"
+#include "numerics/tile.h"
 
 namespace sage::reference::sim {
 

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "sage/quant_rules.h"
+#include "numerics/quant_rules.h"
 
 namespace sage::reference::sim {
 

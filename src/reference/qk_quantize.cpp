@@ -4,8 +4,8 @@
 #include <cassert>
 #include <cmath>
 
-#include "sage/formats.h"
-#include "sage/quant_rules.h"
+#include "numerics/formats.h"
+#include "numerics/quant_rules.h"
 
 namespace sage::reference::sim {
 namespace {

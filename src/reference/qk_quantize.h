@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "sage/recipe.h"
-#include "sage/tile.h"
+#include "numerics/tile.h"
 
 namespace sage::reference::sim {
 

@@ -7,7 +7,7 @@
 #include <cstring>
 #include <limits>
 
-#include "sage/formats.h"
+#include "numerics/formats.h"
 
 namespace sage::reference {
 

@@ -14,8 +14,8 @@
 #include "reference/qk_quantize.h"
 #include "reference/tensor_io.h"
 #include "sage/attention.h"
-#include "sage/quant_rules.h"
-#include "sage/tile.h"
+#include "numerics/quant_rules.h"
+#include "numerics/tile.h"
 
 namespace sage::reference {
 namespace {

@@ -5,8 +5,8 @@
 
 #include "reference/rounding.h"
 #include "sage/error.h"
-#include "sage/formats.h"
-#include "sage/quant_rules.h"
+#include "numerics/formats.h"
+#include "numerics/quant_rules.h"
 
 namespace sage::reference {
 namespace {

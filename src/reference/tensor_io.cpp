@@ -4,7 +4,7 @@
 
 #include "reference/rounding.h"
 #include "sage/error.h"
-#include "sage/formats.h"
+#include "numerics/formats.h"
 
 namespace sage::reference {
 namespace {

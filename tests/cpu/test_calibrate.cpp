@@ -17,7 +17,7 @@
 #include "reference/synthetic.h"
 #include "sage/calibrate.h"
 #include "sage/error.h"
-#include "sage/formats.h"
+#include "numerics/formats.h"
 
 namespace {
 

@@ -9,7 +9,7 @@
 #include "reference/synthetic.h"
 #include "reference/tensor_io.h"
 #include "sage/attention.h"
-#include "sage/formats.h"
+#include "numerics/formats.h"
 
 namespace sage {
 namespace {

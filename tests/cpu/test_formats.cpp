@@ -18,8 +18,8 @@
 #include <string>
 #include <vector>
 
-#include "sage/formats.h"
-#include "sage/quant_rules.h"
+#include "numerics/formats.h"
+#include "numerics/quant_rules.h"
 
 namespace {
 

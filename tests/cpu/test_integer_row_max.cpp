@@ -18,9 +18,9 @@
 #include "reference/rounding.h"
 #include "reference/synthetic.h"
 #include "sage/attention.h"
-#include "sage/formats.h"
-#include "sage/quant_rules.h"
-#include "sage/tile.h"
+#include "numerics/formats.h"
+#include "numerics/quant_rules.h"
+#include "numerics/tile.h"
 
 namespace sage {
 namespace {

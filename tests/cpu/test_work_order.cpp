@@ -1,4 +1,4 @@
-// The attention kernel's work order (src/sm90/work_order.h), checked on the host: every work
+// The attention kernel's work order (src/sm90/fwd/tile_scheduler.h), checked on the host: every work
 // item (a Q tile of a head) is run by exactly one CTA, no CTA runs more than its share, and
 // the property each order is for holds: in the grouped order the CTAs of a round share a head
 // (K/V served from L2), in the consecutive one each CTA runs consecutive items (a head's heavy
@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "sm90/work_order.h"
+#include "sm90/fwd/tile_scheduler.h"
 
 namespace sage::sm90 {
 namespace {

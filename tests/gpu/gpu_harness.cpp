@@ -10,9 +10,9 @@
 #include <thread>
 
 #include "reference/synthetic.h"
-#include "sage/quant_rules.h"
+#include "numerics/quant_rules.h"
 #include "reference/tensor_io.h"
-#include "sage/formats.h"
+#include "numerics/formats.h"
 #include "sage/recipe.h"
 
 #ifdef SAGE_WITH_CUDA
@@ -566,6 +566,14 @@ std::vector<GpuResult> run_gpu_cases(const std::vector<GpuCase>&) { throw std::l
 void expect_cases_within_bounds(const std::vector<GpuCase>& cases) {
   const std::vector<GpuResult> results = run_gpu_cases(cases);
   for (size_t i = 0; i < cases.size(); ++i) expect_within_bounds(cases[i], results[i]);
+}
+
+std::vector<int64_t> built_head_dims() {
+  std::vector<int64_t> dims;
+  std::istringstream is(gpu_head_dims());
+  std::string item;
+  while (std::getline(is, item, ',')) dims.push_back(std::stoll(item));
+  return dims;
 }
 
 }  // namespace sage::testing

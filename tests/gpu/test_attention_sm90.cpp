@@ -17,7 +17,7 @@
 #include "reference/synthetic.h"
 
 #ifdef SAGE_WITH_CUDA
-#include "sm90/schedule.h"
+#include "sm90/fwd/tile_scheduler.h"
 #endif
 
 namespace sage::testing {
@@ -114,7 +114,7 @@ TEST(Sm90Attention, BatchLayoutsDtypesHeadDims) {
     for (int64_t batch : {1, 3})
       for (Layout layout : {Layout::HND, Layout::NHD})
         for (DType dt : {DType::f16, DType::bf16})
-          for (int64_t d : {64, 128}) {
+          for (int64_t d : built_head_dims()) {
             GpuCase c = base;
             c.batch = batch, c.layout = layout, c.dtype = dt, c.head_dim = d;
             c.n_q = 150, c.n_kv = 333, c.heads_q = 4, c.heads_kv = 2;
@@ -159,7 +159,7 @@ TEST(Sm90Attention, SyntheticDistributions) {
 TEST(Sm90Attention, PScaleInTheExponentOffThePresets) {
   SAGE_REQUIRE_GPU();
   std::vector<GpuCase> cases;
-  for (int64_t d : {64, 128})
+  for (int64_t d : built_head_dims())
     for (bool causal : {false, true}) {
       GpuCase c;
       c.head_dim = d, c.causal = causal, c.n_q = 200, c.n_kv = 300, c.seed = uint64_t(d + causal);
@@ -227,18 +227,20 @@ TEST(Sm90Attention, RepeatedRunsAreBitIdentical) {
 }
 
 #ifdef SAGE_WITH_CUDA
-// Pins the number of work items per CTA and their order (sm90/schedule.h) for the test's
-// lifetime.
+// Pins the number of work items per CTA and their order (sm90/fwd/tile_scheduler.h) for the
+// test's lifetime.
 class PinnedWorkItems {
  public:
   explicit PinnedWorkItems(int items,
                            sm90::WorkOrderOverride order = sm90::WorkOrderOverride::automatic) {
-    sm90::set_items_per_cta_override(items);
-    sm90::set_work_order_override(order);
+    sm90::ScheduleOverrides o = sm90::schedule_overrides();
+    o.items_per_cta = items, o.order = order;
+    sm90::set_schedule_overrides(o);
   }
   ~PinnedWorkItems() {
-    sm90::set_items_per_cta_override(0);
-    sm90::set_work_order_override(sm90::WorkOrderOverride::automatic);
+    sm90::ScheduleOverrides o = sm90::schedule_overrides();
+    o.items_per_cta = 0, o.order = sm90::WorkOrderOverride::automatic;
+    sm90::set_schedule_overrides(o);
   }
 };
 
@@ -252,7 +254,7 @@ const char* order_name(sm90::WorkOrderOverride order) {
   return "automatic";
 }
 
-// work_order.h's orders, for the tests that run each.
+// the tile scheduler's orders, for the tests that run each.
 constexpr sm90::WorkOrderOverride kEveryOrder[] = {sm90::WorkOrderOverride::consecutive,
                                                    sm90::WorkOrderOverride::grouped,
                                                    sm90::WorkOrderOverride::strided};
@@ -262,7 +264,7 @@ constexpr sm90::WorkOrderOverride kEveryOrder[] = {sm90::WorkOrderOverride::cons
 // next, so each item must still see its own tiles, in order. The test shapes are too small
 // for the launch to chain items by itself, so the count is pinned: every output and LSE bit
 // must equal one item per CTA, and the chained run must stay within the simulator bounds
-// (which also checks that every output element is written). Each of work_order.h's orders
+// (which also checks that every output element is written). Each of the tile scheduler's orders
 // runs every shape (in the strided one the pinned count is rounded to whole units: pairs of
 // causal items). The shapes give items of uneven length (causal), items with no K/V tile
 // (n_q > n_kv, causal), heads changing inside a CTA's run (GQA, batch), and an item count
@@ -313,7 +315,7 @@ TEST(Sm90Attention, ChainedWorkItemsPerCta) {
 // The Q stage (sm90/q_stage.cuh) against the consumers' prologue (q_operand.cuh): the same
 // codes and scales by construction, so every output and LSE bit must agree. The stage takes a
 // CTA's items after its first, one item ahead in two buffers, so items are chained (2, 3 and 5
-// per CTA: one buffer, both reused, several rounds), in each of work_order.h's orders. The
+// per CTA: one buffer, both reused, several rounds), in each of the tile scheduler's orders. The
 // shapes give partial last Q tiles (rows past n_q arrive from TMA as zeros), items of uneven
 // length and items with no K/V tile (causal, n_q > n_kv), heads changing inside a CTA's run
 // (GQA, batch), d = 64 (192-row tiles, three consumer warpgroups) and 128, fp16 and bf16, HND
@@ -325,8 +327,13 @@ TEST(Sm90Attention, QStageMatchesConsumerPrologue) {
   SAGE_REQUIRE_GPU();
 #ifdef SAGE_WITH_CUDA
   struct PinnedQStage {
-    explicit PinnedQStage(sm90::QStageOverride mode) { sm90::set_q_stage_override(mode); }
-    ~PinnedQStage() { sm90::set_q_stage_override(sm90::QStageOverride::automatic); }
+    explicit PinnedQStage(sm90::QStageOverride mode) { set(mode); }
+    ~PinnedQStage() { set(sm90::QStageOverride::automatic); }
+    static void set(sm90::QStageOverride mode) {
+      sm90::ScheduleOverrides o = sm90::schedule_overrides();
+      o.q_stage = mode;
+      sm90::set_schedule_overrides(o);
+    }
   };
   std::vector<GpuCase> shapes;
   {
@@ -493,7 +500,7 @@ TEST(Sm90Sanitize, ChainedWorkItems) {
   for (const auto order : {sm90::WorkOrderOverride::grouped, sm90::WorkOrderOverride::strided}) {
     PinnedWorkItems chained(order == sm90::WorkOrderOverride::strided ? 4 : 3, order);
     expect_cases_within_bounds(for_every_variant([](const GpuCase& base, std::vector<GpuCase>& out) {
-      for (int64_t d : {64, 128}) {
+      for (int64_t d : built_head_dims()) {
         GpuCase c = base;
         c.heads_q = 4, c.heads_kv = 2, c.n_q = 700, c.n_kv = 300, c.causal = true, c.head_dim = d;
         out.push_back(c);

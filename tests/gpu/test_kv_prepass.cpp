@@ -10,8 +10,8 @@
 
 #include "gpu_harness.h"
 #include "reference/synthetic.h"
-#include "sage/formats.h"
-#include "sage/quant_rules.h"
+#include "numerics/formats.h"
+#include "numerics/quant_rules.h"
 
 #ifdef SAGE_WITH_CUDA
 #include <cuda_fp16.h>
@@ -32,8 +32,8 @@ TEST(KVPrepass, MatchesCpuQuantization) {
   for (const int stride : {1, 8}) {
     SCOPED_TRACE("n " + std::to_string(n) + ", k_mean_stride " + std::to_string(stride));
     constexpr int D = 128;
-    const int n_pad = (n + sm90::kBlockKV - 1) / sm90::kBlockKV * sm90::kBlockKV;
-    const int tiles = n_pad / sm90::kBlockKV;
+    const int n_pad = (n + quant::kKVTile - 1) / quant::kKVTile * quant::kKVTile;
+    const int tiles = n_pad / quant::kKVTile;
     reference::SyntheticShape shape;
     shape.n_q = shape.n_kv = n, shape.head_dim = D;
     const reference::SyntheticInputs in = reference::make_synthetic("k_bias", shape, 3);
@@ -48,14 +48,14 @@ TEST(KVPrepass, MatchesCpuQuantization) {
     void* dv = dev(n * D * 2);
     cudaMemcpy(dk, in.k.data(), n * D * 2, cudaMemcpyHostToDevice);
     cudaMemcpy(dv, in.v.data(), n * D * 2, cudaMemcpyHostToDevice);
-    sm90::KVQuantParams p{};
+    quant::KVQuantParams p{};
     p.k = dk, p.v = dv;
     p.k_stride_b = p.v_stride_b = int64_t(n) * D;
     p.k_stride_h = p.v_stride_h = int64_t(n) * D;
     p.k_stride_n = p.v_stride_n = D;
     p.batch = 1, p.heads_kv = 1, p.n_kv = n, p.n_pad = n_pad;
     p.k_granularity = Granularity::per_thread;
-    p.k_max = 127, p.pv_path = sm90::PVPath::e4m3_two_level;
+    p.k_max = 127, p.v_format = quant::VFormat::e4m3;
     p.smooth_k = true, p.smooth_v = false, p.v_max = 448.f;
     p.k_mean_stride = stride;
     p.out.k = static_cast<int8_t*>(dev(n_pad * D));

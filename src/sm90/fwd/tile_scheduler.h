@@ -1,11 +1,13 @@
-// Which work items (Q tiles of a (batch, head)) each CTA of the attention kernel runs, and in
-// what order: shared by the kernel, its launch (the grid size) and the CPU tests.
+// The tile scheduler: which work items (Q tiles of a (batch, head)) each CTA of the attention
+// kernel runs, and in what order. The device half (the orders as slot sequences) is shared by
+// the kernel, its launch and the CPU tests; the host half (tile_scheduler.cu) picks the order,
+// the grid and the Q stage for a launch.
 //
 // A CTA walks a sequence of slots (cta_slots, slot_step); item_at says
 // which Q tile of which head a slot is. Items are numbered head-major, w = hb * n_q_tiles + q
 // (hb = batch * heads_q + head); under a causal mask a head's Q tiles are taken heaviest first
 // (the diagonal's far end carries the most K/V tiles). Three orders (WorkOrder, chosen by
-// schedule.cu):
+// tile_scheduler.cu):
 //   - consecutive: a CTA runs `per_cta` consecutive items (slot = item), e.g. all Q tiles of a
 //     head in a row. Under a causal mask this keeps heavy and light tiles of the diagonal
 //     together, so that CTAs carry similar work (the grouped order would give CTA j the same
@@ -38,7 +40,8 @@
 
 #include <cstdint>
 
-#include "sage/config.h"
+#include "numerics/config.h"
+
 
 namespace sage::sm90 {
 
@@ -73,7 +76,7 @@ SAGE_HD int64_t strided_units(const WorkSchedule& s) {
 }
 
 // The grid of the consecutive and grouped orders (per_cta set); the strided order's grid is
-// the launch's choice (schedule.cu: one CTA per SM, at most one per unit).
+// the launch's choice (tile_scheduler.cu: one CTA per SM, at most one per unit).
 SAGE_HD int64_t chunked_cta_count(const WorkSchedule& s) {
   const int64_t items = int64_t(s.n_q_tiles) * s.head_batches;
   return s.order == WorkOrder::grouped
@@ -138,5 +141,46 @@ SAGE_HD WorkItemRef item_at(const WorkSchedule& s, int slot) {
   const int j = r < pairs ? r : r - pairs - 1;
   return {2 * block + (r > pairs), half == 0 ? n - 1 - j : j};
 }
+
+
+// ---- the launch's choices (host, tile_scheduler.cu) -------------------------------------------
+
+struct AttentionParams;
+
+// The launch's work order and grid (AttentionParams::work), for the current device, from the
+// problem's fields of p (set them first). head_dim, v_bytes: the kernel's D and bytes per
+// stored V element, which size a head's K/V.
+WorkSchedule work_schedule(const AttentionParams& p, int head_dim, int v_bytes);
+
+// The most items one CTA of the schedule runs.
+int items_per_cta(const WorkSchedule& s);
+
+// Whether the launch quantizes Q in the Q stage (q_stage.cuh; AttentionParams::q_stage) rather
+// than in the consumers' prologue: the same codes and scales either way, so this is a choice of
+// speed only. Taken where the variant has the stage (capable), CTAs run more than one item
+// (AttentionParams::work: set it first), items are short (tile_scheduler.cu: the measured rule)
+// and the launch allows it: Q in fp16/bf16 (not prequantized) with per-thread or per-token
+// groups, a view TMA can read, and no LSE under K smoothing (q . mean(K) is computed from raw Q
+// in the prologue).
+bool use_q_stage(const AttentionParams& p, bool capable, int head_dim);
+// use_q_stage for a launch about to happen: also counts it (q_stage_launches).
+bool take_q_stage(const AttentionParams& p, bool capable, int head_dim);
+// Launches that took the Q stage so far in this process (tests).
+int64_t q_stage_launches();
+
+// Overrides of the choices above, for tests that must reach every path on small shapes. The
+// library never sets them itself and reads no environment variable.
+enum class WorkOrderOverride { automatic, consecutive, grouped, strided };
+enum class QStageOverride { automatic, off, on };
+struct ScheduleOverrides {
+  // > 0: every launch runs this many items per CTA (in the strided order: the grid is cut to
+  // as few CTAs as take this many items each, rounded to whole units).
+  int items_per_cta = 0;
+  WorkOrderOverride order = WorkOrderOverride::automatic;
+  // on: the Q stage wherever the launch allows it, whatever the item length.
+  QStageOverride q_stage = QStageOverride::automatic;
+};
+void set_schedule_overrides(const ScheduleOverrides& overrides);
+ScheduleOverrides schedule_overrides();
 
 }  // namespace sage::sm90

@@ -7,8 +7,8 @@
 #include <cmath>
 #include <cstdint>
 
-#include "sage/config.h"
-#include "sage/formats.h"
+#include "numerics/config.h"
+#include "numerics/formats.h"
 #include "sage/recipe.h"
 
 namespace sage::rules {

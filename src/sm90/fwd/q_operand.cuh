@@ -17,10 +17,10 @@
 #include <cuda_fp16.h>
 
 #include "common/vec_io.cuh"
-#include "sage/quant_rules.h"
-#include "sm90/fragment.cuh"
-#include "sm90/kernel_params.h"
-#include "sm90/ptx.cuh"
+#include "numerics/quant_rules.h"
+#include "sm90/mma/fragment.cuh"
+#include "sm90/fwd/params.h"
+#include "common/ptx.cuh"
 
 namespace sage::sm90 {
 

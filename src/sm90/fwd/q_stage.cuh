@@ -23,9 +23,9 @@
 #include <type_traits>
 
 #include "common/vec_io.cuh"
-#include "sage/quant_rules.h"
-#include "sm90/kernel_params.h"
-#include "sm90/ptx.cuh"
+#include "numerics/quant_rules.h"
+#include "sm90/fwd/params.h"
+#include "common/ptx.cuh"
 
 namespace sage::sm90 {
 

@@ -4,7 +4,8 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include "sm90/kernel_params.h"
+#include "common/cuda_check.h"
+#include "sm90/fwd/params.h"
 
 namespace sage::sm90 {
 
@@ -21,7 +22,5 @@ struct AttentionMaps {
 bool q_tma_compatible(const AttentionParams& p);
 
 AttentionMaps make_attention_maps(const AttentionParams& p, int head_dim, int v_bytes);
-
-[[noreturn]] void throw_cuda(const char* what, cudaError_t err);
 
 }  // namespace sage::sm90

@@ -18,7 +18,9 @@
 #include <cstdint>
 
 #include "common/vec_io.cuh"
-#include "sm90/ptx.cuh"
+#include "common/ptx.cuh"
+#include "sm90/fwd/mainloop.cuh"
+#include "sm90/fwd/seqlen.cuh"
 
 namespace sage::sm90 {
 
@@ -82,6 +84,48 @@ __device__ __forceinline__ void store_output_rows(const float (&o)[D / 2], const
       }
     }
     __syncwarp();  // every lane has read this half before it is overwritten
+  }
+}
+
+// The end of a consumer's item: O normalized, unscaled, with the V mean added back and stored;
+// the Q buffer returned to the Q stage; the LSE written if asked for.
+template <class K>
+__device__ __forceinline__ void run_epilogue(const AttentionParams& p, typename K::Storage& s,
+                                             const Mainloop<K>& ml, const ConsumerItem& item,
+                                             const QOperand<K::D>& qop, int qbuf, bool q_staged) {
+  constexpr int D = K::D;
+  using T = typename K::T;
+  const UniformSeqLen seq{p};
+  // One reciprocal per row rather than an IEEE division per element (docs/numerics.md, GPU
+  // vs simulator).
+  float l[2], inv_l[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    // The MMA's row sum is already the whole row's; the softmax's are the quad's partials.
+    l[r] = K::kRowSumInMma ? ml.softmax.l[r] : frag::quad_sum(ml.softmax.l[r]);
+    inv_l[r] = l[r] > 0.f ? __frcp_rn(l[r]) : 0.f;
+  }
+  T* out_head = static_cast<T*>(p.out) + seq.out_offset(item.b, item.h);
+  const int warp_row0 = item.wg_row0 + 16 * item.warp;
+  const bool aligned16 = reinterpret_cast<uintptr_t>(out_head) % 16 == 0 && p.o_stride_n % 8 == 0;
+  store_output_rows<D, T>(ml.o, inv_l, l, p.kv.v_scale + item.kv_head * D,
+                          p.smooth_v ? p.kv.v_mean + item.kv_head * D : nullptr,
+                          s.q[qbuf][item.cw] + 16 * item.warp * D,
+                          out_head + (int64_t)warp_row0 * p.o_stride_n, p.o_stride_n,
+                          seq.n_q(item.b) - warp_row0, aligned16, item.lane);
+  // The buffer (Q codes and this warp's staging) goes back to the stage (the epilogue
+  // ended with __syncwarp: every lane's staging reads are done).
+  if (q_staged && item.lane == 0) mbar_arrive(&s.q_empty[qbuf]);
+  if (p.lse != nullptr && item.t == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (item.rows[r] >= seq.n_q(item.b)) continue;
+      // l sums P~ * p_max.
+      const float lse = l[r] > 0.f ? (ml.softmax.m[r] + (log2f(l[r]) - log2f(p.p_max))) * 0.69314718055994531f +
+                                         p.sm_scale * qop.dot_kmean[r]
+                                   : -INFINITY;
+      p.lse[seq.lse_offset(item.b, item.h) + (int64_t)item.rows[r] * p.lse_stride_n] = lse;
+    }
   }
 }
 

@@ -16,7 +16,7 @@
 
 #include <cstdint>
 
-#include "sage/config.h"
+#include "numerics/config.h"
 
 namespace sage::fmt {
 

@@ -1,14 +1,12 @@
-#include "sm90/schedule.h"
+#include "sm90/fwd/tile_scheduler.h"
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
-#include <string>
 
 #include "sage/error.h"
-#include "sm90/tma_maps.h"
+#include "sm90/fwd/tma_maps.h"
 
 namespace sage::sm90 {
 namespace {
@@ -35,6 +33,8 @@ constexpr int kDefaultCausalCtaTiles = 16;
 // scheduling still evens out uneven (causal) items and the last wave stays short.
 constexpr int kMinWaves = 4;
 
+// Tests' overrides (set_schedule_overrides). One mutex-free copy: tests set them between
+// launches, never during one.
 std::atomic<int> g_items_override{0};
 std::atomic<WorkOrderOverride> g_order_override{WorkOrderOverride::automatic};
 std::atomic<QStageOverride> g_q_stage_override{QStageOverride::automatic};
@@ -46,15 +46,7 @@ int average_item_tiles(const AttentionParams& p) {
   return std::max(1, p.causal ? (kv_tiles + 1) / 2 : kv_tiles);
 }
 
-// SAGE_SM90_CTA_TILES (tuning experiments) replaces both defaults.
-int cta_tiles_target(bool causal) {
-  static const int forced = [] {
-    const char* env = std::getenv("SAGE_SM90_CTA_TILES");
-    return env != nullptr ? std::max(0, std::atoi(env)) : -1;
-  }();
-  if (forced >= 0) return forced;
-  return causal ? kDefaultCausalCtaTiles : kDefaultCtaTiles;
-}
+int cta_tiles_target(bool causal) { return causal ? kDefaultCausalCtaTiles : kDefaultCtaTiles; }
 
 // One of the current device's attributes, looked up once per device: this runs on every
 // attention call, whose host time is part of what users measure (docs/performance.md).
@@ -76,12 +68,6 @@ int device_attribute(const char* what) {
 int sm_count() { return device_attribute<cudaDevAttrMultiProcessorCount>("multiprocessor count"); }
 int l2_bytes() { return device_attribute<cudaDevAttrL2CacheSize>("L2 cache size"); }
 
-}  // namespace
-
-void set_items_per_cta_override(int items) { g_items_override.store(std::max(0, items)); }
-
-namespace {
-
 // The causal launches that take the strided order (automatic_order), by their average K/V
 // tiles per item: at most this many at d = 128, at least this many at d = 64.
 constexpr int kStridedCausalMaxTiles128 = 16;
@@ -91,7 +77,6 @@ constexpr int kStridedCausalMinTiles64 = 5;
 int chunked_items_per_cta(const AttentionParams& p) {
   if (const int forced = g_items_override.load(); forced > 0) return forced;
   const int target = cta_tiles_target(p.causal);
-  if (target == 0) return 1;
   const int64_t items = int64_t(p.n_q_tiles) * p.heads_q * p.batch;
   const int per_item = average_item_tiles(p);
   const int64_t by_tiles = std::max(1, target / per_item);
@@ -99,7 +84,7 @@ int chunked_items_per_cta(const AttentionParams& p) {
   return int(std::min(by_tiles, by_waves));
 }
 
-// The consecutive order (work_order.h) keeps a head's Q tiles on one CTA, which then re-reads
+// The consecutive order (tile_scheduler.h) keeps a head's Q tiles on one CTA, which then re-reads
 // the head's K/V from L2 for each of them, if it is still there: the CTAs resident together
 // work on up to one head each. When their heads' K/V exceeds half the L2, the grouped order
 // (a head's Q tiles on resident CTAs side by side) is taken. Measured (H100, 50 MB L2, 132
@@ -125,19 +110,10 @@ bool chunked_grouped(const AttentionParams& p, int per_cta, int head_dim, int v_
 // where it lost: long items at d = 128 (more than 16 K/V tiles on average: no Q stage, so little
 // to save on first items) and the shortest at d = 64 (4 or fewer).
 WorkOrder automatic_order(const AttentionParams& p, int per_cta, int head_dim, int v_bytes) {
-  // SAGE_SM90_WORK_ORDER (A/B runs): strided everywhere, or chunked (the consecutive and
-  // grouped orders by their rule) everywhere.
-  static const int forced = [] {
-    const char* env = std::getenv("SAGE_SM90_WORK_ORDER");
-    if (env == nullptr) return 0;
-    if (std::string(env) == "strided") return 1;
-    if (std::string(env) == "chunked") return 2;
-    throw Error("SAGE_SM90_WORK_ORDER", std::string("must be strided or chunked (got '") + env + "')");
-  }();
   const int tiles = average_item_tiles(p);
   const bool chunked_wins =
       p.causal && (head_dim <= 64 ? tiles < kStridedCausalMinTiles64 : tiles > kStridedCausalMaxTiles128);
-  if (forced == 1 || (forced == 0 && !chunked_wins)) return WorkOrder::strided;
+  if (!chunked_wins) return WorkOrder::strided;
   return chunked_grouped(p, per_cta, head_dim, v_bytes) ? WorkOrder::grouped : WorkOrder::consecutive;
 }
 
@@ -177,7 +153,6 @@ int items_per_cta(const WorkSchedule& s) {
   return s.per_cta * (s.causal && s.n_q_tiles > 1 ? 2 : 1);
 }
 
-void set_work_order_override(WorkOrderOverride order) { g_order_override.store(order); }
 
 // The stage saves each chained item its Q prologue, a fixed cost, while the staged kernel runs
 // its K/V tiles 1-2% slower (h200_v23_ab_2026-11-24.md, section 3: d = 128, N = 4K, two items of
@@ -201,12 +176,7 @@ bool use_q_stage(const AttentionParams& p, bool capable, int head_dim) {
     case QStageOverride::on: return true;
     case QStageOverride::automatic: break;
   }
-  // SAGE_SM90_Q_STAGE: 0 never, 2 wherever possible (A/B runs), else the rule above.
-  static const int mode = [] {
-    const char* env = std::getenv("SAGE_SM90_Q_STAGE");
-    return env == nullptr ? 1 : std::atoi(env);
-  }();
-  return mode == 2 || (mode != 0 && short_items);
+  return short_items;
 }
 
 bool take_q_stage(const AttentionParams& p, bool capable, int head_dim) {
@@ -215,7 +185,16 @@ bool take_q_stage(const AttentionParams& p, bool capable, int head_dim) {
   return take;
 }
 
-void set_q_stage_override(QStageOverride mode) { g_q_stage_override.store(mode); }
 int64_t q_stage_launches() { return g_q_stage_launches.load(); }
+
+void set_schedule_overrides(const ScheduleOverrides& o) {
+  g_items_override.store(std::max(0, o.items_per_cta));
+  g_order_override.store(o.order);
+  g_q_stage_override.store(o.q_stage);
+}
+
+ScheduleOverrides schedule_overrides() {
+  return {g_items_override.load(), g_order_override.load(), g_q_stage_override.load()};
+}
 
 }  // namespace sage::sm90

@@ -10,9 +10,9 @@
 
 #include <cmath>
 
-#include "sage/quant_rules.h"
-#include "sm90/fragment.cuh"
-#include "sm90/ptx.cuh"
+#include "numerics/quant_rules.h"
+#include "sm90/mma/fragment.cuh"
+#include "common/ptx.cuh"
 
 namespace sage::sm90 {
 

@@ -1,4 +1,4 @@
-#include "sm90/tma_maps.h"
+#include "sm90/fwd/tma_maps.h"
 
 #include <cudaTypedefs.h>
 
@@ -7,10 +7,6 @@
 #include "sage/error.h"
 
 namespace sage::sm90 {
-
-void throw_cuda(const char* what, cudaError_t err) {
-  throw CudaError(std::string(what) + " failed: " + cudaGetErrorString(err));
-}
 
 namespace {
 

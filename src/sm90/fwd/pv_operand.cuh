@@ -32,10 +32,10 @@
 
 #include <cstdint>
 
-#include "sm90/fragment.cuh"
-#include "sm90/kernel_params.h"
-#include "sm90/ptx.cuh"
-#include "sm90/wgmma_ops.cuh"
+#include "sm90/mma/fragment.cuh"
+#include "sm90/fwd/params.h"
+#include "common/ptx.cuh"
+#include "sm90/mma/wgmma_ops.cuh"
 
 namespace sage::sm90 {
 

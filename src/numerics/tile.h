@@ -15,7 +15,7 @@
 
 #include <cstdint>
 
-#include "sage/config.h"
+#include "numerics/config.h"
 #include "sage/recipe.h"
 
 namespace sage {

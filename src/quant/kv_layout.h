@@ -1,0 +1,64 @@
+// The quantized K/V layout: what the K/V pre-pass writes into the caller's workspace and every
+// attention kernel reads. The quantizer owns it; kernels only consume it.
+#pragma once
+
+#include <cstdint>
+
+#include "sage/recipe.h"
+
+namespace sage::quant {
+
+// Tokens per K/V tile of the layout (the attention kernels' K/V pipeline block).
+constexpr int kKVTile = 128;
+// Per-thread K scale groups per tile (numerics/tile.h); other granularities store one per
+// tile in the same slots.
+constexpr int kKScalesPerTile = 4;
+
+// The format of the transposed V tiles.
+enum class VFormat : int {
+  e4m3,  // 8-bit codes, tokens permuted per 32 (pv_position_of_token, kv_prepass.cuh)
+  fp16,  // fp16 in token order (unscaled)
+  int8,  // 8-bit codes, permuted as e4m3
+};
+constexpr int v_format_bytes(VFormat f) { return f == VFormat::fp16 ? 2 : 1; }
+
+// Per (batch, kv head), in the workspace.
+struct QuantizedKV {
+  int8_t* k;         // [B, Hkv, n_pad, D] int8 (or int4 values), smoothed, row-major
+  uint8_t* vt;       // [B, Hkv, D, n_pad] transposed V in its VFormat
+  float* k_scale;    // per-tile groups: [B, Hkv, n_pad / kKVTile, kKScalesPerTile]
+                     // per token:       [B, Hkv, n_pad]
+  float* k_mean;     // [B, Hkv, D]  (zeros when K is not smoothed)
+  float* v_scale;    // [B, Hkv, D]  max|V'_c| / v_max (1 for fp16 V)
+  float* v_mean;     // [B, Hkv, D]  (zeros when V is not smoothed)
+  // Written by the statistics pass for the quantize pass only:
+  float* v_inv;      // [B, Hkv, D]  v_max / max|V'_c| (the multiplier before encoding)
+  float* k_amax;     // [B, Hkv]     max over channels of max|K'_c| (per-tensor K scales)
+};
+
+struct KVQuantParams {
+  const void* k;
+  const void* v;
+  int64_t k_stride_b, k_stride_h, k_stride_n;
+  int64_t v_stride_b, v_stride_h, v_stride_n;
+  int batch, heads_kv, n_kv, n_pad;
+  Granularity k_granularity;
+  int k_max;  // the largest K code: 127 (int8) or 7 (int4 values)
+  bool smooth_k, smooth_v;
+  int k_mean_stride;  // K's statistics over keys 0, stride, ... (recipe.k_mean_stride)
+  // Set by launch_kv_prepass: the keys the stride samples, and the statistics CTAs (of each
+  // head's cluster) that read them.
+  int k_mean_samples, stats_k_ctas;
+  VFormat v_format;
+  bool v_per_tensor;  // one V scale for all channels (INT-FlashAttention)
+  float v_max;  // the format value max|V'_c| maps to (448 e4m3, 127 int8, or recipe.v_range)
+  // Prequantized inputs (k and v are int8 codes): per-token K scales [B, Hkv, n_kv] and V
+  // scales [B, Hkv] or [B, Hkv, D] (v_per_tensor says which); strides in elements.
+  const float* k_scale_in;
+  int64_t ks_stride_b, ks_stride_h, ks_stride_n;
+  const float* v_scale_in;
+  int64_t vs_stride_b, vs_stride_h, vs_stride_c;
+  QuantizedKV out;
+};
+
+}  // namespace sage::quant

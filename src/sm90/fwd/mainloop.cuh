@@ -1,0 +1,233 @@
+// The consumer mainloop: one consumer warpgroup's pass over a work item's K/V tiles. It owns
+// the ring cursor (carried over the CTA's items), the online-softmax state and the output
+// accumulator, and runs the QK MMA, the logits, the softmax and the PV MMA of each tile.
+//
+// The tiles run as a software pipeline inside the warpgroup (FlashAttention-3's
+// intra-warpgroup overlap): tile i's QK MMA and tile i-1's PV MMA are issued back to back,
+// and tile i's softmax runs while the PV MMA does. Registers: O, the PV product, P of the
+// running PV and the scores are live at once (208 for d = 128 and 8-bit P); the next P is
+// packed only after the product is folded in, when both are dead. Variants where ptxas
+// spills the pipeline (kernel_traits.h, overlap_pv) run one tile at a time.
+#pragma once
+
+#include "common/ptx.cuh"
+#include "sm90/fwd/kernel_config.cuh"
+#include "sm90/fwd/mask.cuh"
+#include "sm90/fwd/q_operand.cuh"
+#include "sm90/mma/wgmma_ops.cuh"
+
+namespace sage::sm90 {
+
+// A consumer thread's place in the CTA, and the work item as it sees it.
+struct ConsumerItem {
+  int cw, warp, lane, g, t;  // consumer warpgroup, warp in it, lane, its MMA row group and quad
+  int h, b, hk, q0, wg_row0, n_tiles;
+  int rows[2];  // the thread's two Q rows
+  int64_t kv_head;
+};
+
+template <class K>
+struct Mainloop {
+  static constexpr int D = K::D;
+  using PV = typename K::PV;
+  using Storage = typename K::Storage;
+  static constexpr int kAcc = kBlockKV / 2;
+
+  RingCursor<K::kStages> ring;  // the next K/V tile's stage, over all of the CTA's items
+  OnlineSoftmax<kBlockKV> softmax;
+  float o[D / 2];
+  int32_t sacc[kAcc];             // S of the tile whose softmax runs next
+  typename PV::Fragments pa;      // P of the tile whose PV MMA runs next
+  typename PV::Accumulator pv_acc;  // that PV MMA's product
+  float alpha_pending[2];         // the output rescale that goes with that product
+
+  // What one item's tiles read.
+  const AttentionParams& p;
+  Storage& s;
+  const Mask& mask;
+  const ConsumerItem* item = nullptr;
+  const float* k_scale = nullptr;  // the head's (KScaleOperand)
+  float q_scale[2] = {0.f, 0.f};   // this thread's two Q rows' (QOperand::scale)
+  uint32_t q_desc = 0, k_desc0 = 0, v_desc0 = 0;
+
+  __device__ __forceinline__ Mainloop(const AttentionParams& p_, Storage& s_, const Mask& mask_)
+      : p(p_), s(s_), mask(mask_) {}
+
+  // The item's tiles into o and softmax. qbuf: the Q buffer this item's codes are in.
+  __device__ __forceinline__ void run(const ConsumerItem& it_item, const QOperand<D>& qop, int qbuf) {
+    item = &it_item;
+    softmax = OnlineSoftmax<kBlockKV>();
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    k_scale = K::KScale::head(p.kv.k_scale, it_item.kv_head, p.n_pad);
+    q_scale[0] = qop.scale[0], q_scale[1] = qop.scale[1];
+    alpha_pending[0] = alpha_pending[1] = 1.f;
+    // Descriptor low words of stage 0's K and V tiles; a stage's are a constant stride further.
+    k_desc0 = smem_desc_lo(s.k[0]), v_desc0 = smem_desc_lo(s.v[0]);
+    // This warpgroup's Q tile. The warpgroup index broadcast from lane 0 is known to be
+    // warp-uniform, so the descriptor lives in uniform registers; from the thread index, the
+    // compiler rebuilt it in ordinary ones and moved it across for every MMA (SASS).
+    q_desc = smem_desc_lo(s.q[qbuf][0]) +
+             uint32_t(__shfl_sync(0xffffffffu, it_item.cw, 0)) * (sizeof(s.q[0][0]) / 16);
+    if constexpr (K::kOverlapPV) {
+      run_pipelined(it_item.n_tiles);
+    } else {
+      run_one_tile_at_a_time(it_item.n_tiles);
+    }
+  }
+
+ private:
+  static constexpr uint32_t kKStageDesc = sizeof(Storage::k[0]) / 16;
+  static constexpr uint32_t kVStageDesc = sizeof(Storage::v[0]) / 16;
+
+  __device__ __forceinline__ void issue_qk(int stage) {
+    const uint32_t k_desc = k_desc0 + stage * kKStageDesc;
+    wgmma_fence();
+    mma_s8_ss<kBlockKV, false>(sacc, smem_desc<D>(q_desc), smem_desc<D>(k_desc));
+#pragma unroll
+    for (int kc = 1; kc < D / 32; ++kc)
+      mma_s8_ss<kBlockKV, true>(sacc, smem_desc<D>(q_desc, 32 * kc), smem_desc<D>(k_desc, 32 * kc));
+    wgmma_commit();
+  }
+  __device__ __forceinline__ void issue_pv(int stage) {
+    PV::issue(pv_acc, pa, v_desc0 + stage * kVStageDesc);
+  }
+
+  // Q smoothing: each thread computes one key's bias while the QK MMA runs.
+  __device__ __forceinline__ void compute_key_bias(int it, int stage) {
+    const int j = threadIdx.x % 128;
+    const int cw = item->cw;
+    s.key_bias[cw][it & 1][j] = smooth_q_key_bias<D>(s.k[stage], j, s.q_mean[cw],
+                                                     K::KScale::key_scale(k_scale, it, j),
+                                                     p.sm_scale_log2);
+    named_barrier_sync(NamedBarrier::key_bias(cw, K::kConsumers), 128);
+  }
+
+  // The product of the tile whose PV MMA was waited for, into O (and l).
+  __device__ __forceinline__ void fold_pv(const float (&alpha)[2]) {
+    PV::fold(o, pv_acc, pa, alpha);
+    if constexpr (K::kRowSumInMma) PV::fold_row_sum(softmax.l, pv_acc, alpha);
+  }
+
+  // The tile's logits from its QK accumulator (K scales, Q smoothing's bias), masked -inf.
+  __device__ __forceinline__ void make_scores(int it, float (&sc)[kAcc]) {
+    K::KScale::scores(sacc, q_scale, p.sm_scale_log2, k_scale, it, item->t, sc);
+    if constexpr (K::kSmoothQ) {
+      const float* bias = s.key_bias[item->cw][it & 1];
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) sc[i] = __fadd_rn(sc[i], bias[frag::acc_col(i, item->t)]);
+    }
+    if (mask.tile_needs_mask(it, item->wg_row0)) mask.apply(it, item->rows, item->t, sc);
+  }
+
+  // The tile's P~ * p_max (in sc), the rescale of earlier output and the row sums, from its
+  // QK accumulator. Recipes with per-tile K scales and no Q smoothing skip the float logits:
+  // the integer row max (softmax.cuh, update_from_int; the simulator follows
+  // rules::integer_row_max, which dispatch checks against this choice).
+  __device__ __forceinline__ void tile_to_p(int it, float (&sc)[kAcc], float (&alpha)[2],
+                                            float (&p_sum)[2]) {
+    if constexpr (K::kIntegerMax) {
+      const float ks_tile = K::KScale::tile_scale(k_scale, it, item->t);
+      const float mult = rules::score_multiplier(q_scale[0], ks_tile, p.sm_scale_log2);
+      const bool masked = mask.tile_needs_mask(it, item->wg_row0);
+      if (masked) mask.apply(it, item->rows, item->t, sacc);
+      softmax.template update_from_int<K::kPScaleMode, !K::kRowSumInMma>(
+          sacc, mult, masked, p.p_max, p.p_fold_k, p.p_fold_mult_limit, sc, alpha, p_sum);
+    } else {
+      make_scores(it, sc);
+      softmax.template update<!K::kRowSumInMma>(sc, p.p_max, alpha, p_sum);
+    }
+  }
+
+  // P of the tile into the PV operand, and the tile's row sums into the softmax state.
+  __device__ __forceinline__ void pack_p(const float (&sc)[kAcc], const float (&alpha)[2],
+                                         const float (&p_sum)[2]) {
+    int32_t code_sum[2] = {0, 0};
+    PV::pack(sc, pa, code_sum);
+    if constexpr (!K::kRowSumInMma) {  // else fold_pv adds the MMA's row sum
+      if (K::kPath == PVPath::int8 && p.quantized_row_sum) {
+        // INT-FlashAttention: the denominator sums the quantized P (the codes, which are in
+        // the row sum's units of P~ * p_max).
+        const float q_sum[2] = {float(code_sum[0]), float(code_sum[1])};
+        softmax.add_row_sum(alpha, q_sum);
+      } else {
+        softmax.add_row_sum(alpha, p_sum);
+      }
+    }
+  }
+
+  __device__ __forceinline__ void release_stage(int stage) {
+    if (item->lane == 0) mbar_arrive(&s.empty[stage]);
+  }
+
+  // QK, softmax, PV, one tile after the other.
+  __device__ __forceinline__ void run_one_tile_at_a_time(int n_tiles) {
+    for (int it = 0; it < n_tiles; ++it, ring.advance()) {
+      const int stage = ring.stage;
+      mbar_wait(&s.full[stage], ring.phase);
+      issue_qk(stage);
+      if constexpr (K::kSmoothQ) compute_key_bias(it, stage);
+      wgmma_wait<0>();
+      reg_fence(sacc);
+      float sc[kAcc], alpha[2], p_sum[2];
+      tile_to_p(it, sc, alpha, p_sum);
+      pack_p(sc, alpha, p_sum);
+      issue_pv(stage);
+      wgmma_wait<0>();
+      fold_pv(alpha);
+      release_stage(stage);
+    }
+  }
+
+  __device__ __forceinline__ void run_pipelined(int n_tiles) {
+    if (n_tiles == 0) return;
+    pipeline_first_tile();
+    for (int it = 1; it < n_tiles; ++it) pipeline_tile(it);
+    pipeline_drain();
+  }
+
+  // Tile 0: QK and softmax; its PV MMA goes with tile 1's QK.
+  __device__ __forceinline__ void pipeline_first_tile() {
+    mbar_wait(&s.full[ring.stage], ring.phase);
+    issue_qk(ring.stage);
+    if constexpr (K::kSmoothQ) compute_key_bias(0, ring.stage);
+    wgmma_wait<0>();
+    reg_fence(sacc);
+    float sc[kAcc], p_sum[2];
+    tile_to_p(0, sc, alpha_pending, p_sum);
+    pack_p(sc, alpha_pending, p_sum);
+  }
+
+  __device__ __forceinline__ void pipeline_tile(int it) {
+    const int prev = ring.stage;
+    ring.advance();
+    const int stage = ring.stage;
+    mbar_wait(&s.full[stage], ring.phase);
+    issue_qk(stage);  // commit group: S of tile it
+    // Before the PV MMA owns its registers: with both in flight the bias spilled (ptxas).
+    if constexpr (K::kSmoothQ) compute_key_bias(it, stage);
+    issue_pv(prev);  // commit group: P V of tile it - 1
+    wgmma_wait<1>();  // S is ready; the PV MMA may still run
+    reg_fence(sacc);
+    float sc[kAcc], alpha[2], p_sum[2];
+    tile_to_p(it, sc, alpha, p_sum);
+    wgmma_wait<0>();
+    fold_pv(alpha_pending);
+    release_stage(prev);  // tile it - 1's K and V are read
+    pack_p(sc, alpha, p_sum);
+    alpha_pending[0] = alpha[0], alpha_pending[1] = alpha[1];
+  }
+
+  // The last tile's PV MMA.
+  __device__ __forceinline__ void pipeline_drain() {
+    const int last = ring.stage;
+    ring.advance();
+    issue_pv(last);
+    wgmma_wait<0>();
+    fold_pv(alpha_pending);
+    // The last stage goes back to the producer too: with chained items it refills it.
+    release_stage(last);
+  }
+};
+
+}  // namespace sage::sm90
