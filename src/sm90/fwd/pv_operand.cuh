@@ -117,7 +117,7 @@ struct PVOperand<D, PVPath::e4m3_two_level> {
     reg_fence(acc.c);
     reg_fence(f.a);
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = o[i] * alpha[frag::acc_row(i)] + acc.c[i];
+    for (int i = 0; i < D / 2; ++i) o[i] = __fmaf_rn(o[i], alpha[frag::acc_row(i)], acc.c[i]);
   }
   // The ones block's entries D / 2 (row g) and D / 2 + 2 (row g + 8) hold the whole row's sum
   // (every column of the block is the same), so l needs no quad reduction at the end. After
@@ -126,7 +126,7 @@ struct PVOperand<D, PVPath::e4m3_two_level> {
                                                       const float (&alpha)[2]) {
     static_assert(kOnesRows > 0, "no row sum column");
 #pragma unroll
-    for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + acc.c[D / 2 + 2 * r];
+    for (int r = 0; r < 2; ++r) l[r] = __fmaf_rn(l[r], alpha[r], acc.c[D / 2 + 2 * r]);
   }
 };
 
@@ -212,8 +212,8 @@ struct PVOperand<D, PVPath::fp16> {
 #pragma unroll
     for (int i = 0; i < D / 4; ++i) {
       const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&acc.c[i]));
-      o[2 * i] = o[2 * i] * alpha[frag::acc_row(2 * i)] + h.x;
-      o[2 * i + 1] = o[2 * i + 1] * alpha[frag::acc_row(2 * i + 1)] + h.y;
+      o[2 * i] = __fmaf_rn(o[2 * i], alpha[frag::acc_row(2 * i)], h.x);
+      o[2 * i + 1] = __fmaf_rn(o[2 * i + 1], alpha[frag::acc_row(2 * i + 1)], h.y);
     }
   }
 
@@ -250,7 +250,7 @@ struct PVOperand<D, PVPath::int8> {
     reg_fence(acc.c);
     reg_fence(f.a);
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = o[i] * alpha[frag::acc_row(i)] + float(acc.c[i]);
+    for (int i = 0; i < D / 2; ++i) o[i] = __fmaf_rn(o[i], alpha[frag::acc_row(i)], float(acc.c[i]));
   }
 };
 

@@ -198,7 +198,7 @@ struct OnlineSoftmax {
 
   __device__ __forceinline__ void add_row_sum(const float (&alpha)[2], const float (&sum)[2]) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + sum[r];
+    for (int r = 0; r < 2; ++r) l[r] = __fmaf_rn(l[r], alpha[r], sum[r]);
   }
 
  private:
