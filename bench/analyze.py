@@ -2,7 +2,7 @@
 """Per grid point: the floors a whole call of sage2_8b cannot beat on this design, next to
 the measurement. Usage: analyze.py RESULTS.json > table.md
 
-Ceilings (measured on H100, ../shared/ANCHORS.md): 8-bit wgmma 1940 TOPS; MUFU ex2
+Ceilings (the project's probes on an H100): 8-bit wgmma 1940 TOPS; MUFU ex2
 16/SM/clock at 1.83 GHz on 132 SMs; device copy 3.0 TB/s (bytes read + written).
 Bytes of the current design, per element of a [B, H, N, d] tensor (Hq = Hkv):
   Q read 2; K and V read twice by the pre-pass (statistics, then quantization) 8;

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Side-by-side benchmark: sagekit against torch SDPA (flash and cuDNN backends), one run.
 
-Follows the protocol of docs/performance.md (DESIGN.md's): whole call as a user makes it,
+Follows the protocol of docs/performance.md: whole call as a user makes it,
 median of CUDA-event timings after warm-up, grid d in {64, 128} x causal x N in {1K..32K},
 32 heads, batch = 32K / N. Each tensor is 32K tokens x 32 heads x d x 2 bytes (>= 134 MB),
 far beyond the 50 MB L2, so consecutive calls cannot hit in cache; two input sets are still

@@ -1,5 +1,5 @@
 // Probe: how fast can a few SMs stream from DRAM, one CTA per SM? The question behind the
-// pre-pass in the attention launch (docs/performance.md, v31): its CTAs must read the K/V
+// pre-pass in the attention launch (v31 in docs/history/README.md): its CTAs must read the K/V
 // pre-pass's bytes on a few SMs while the others run attention.
 //
 // Two ways of reading, each CTA its own contiguous 32 MiB, one CTA per SM (the shared memory

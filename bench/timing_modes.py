@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The same calls timed two ways, to separate what the benchmark protocol adds to a call from
-the GPU time of its kernels (docs/performance.md, "Python protocol against sage bench").
+the GPU time of its kernels (docs/performance.md, "Protocol").
 
   synchronized   bench_sdpa.py's protocol: each timed call starts on an idle GPU (the host
                  waits for the previous one), so the events also hold the host time between

@@ -308,10 +308,11 @@ void write_speed(std::ostream& os, const std::vector<std::string>& bench_paths) 
 }
 
 // The result files behind the committed docs/recipes.md speed table (scripts/gen_docs.sh runs
-// `sage docs` without --bench): the v29 code's side-by-side grid and every-preset run on the
-// H200 (2026-11-25). A new measurement replaces them here.
+// `sage docs` without --bench): the H200 grid of record (v30 code, median of three runs) for
+// the baselines, then the every-preset run on the H200 (v29 code), both of 2026-11-25. A new
+// measurement replaces them here.
 constexpr const char* kDefaultBench =
-    "bench/results/h200_v29_2026-11-25.json,bench/results/h200_recipes_v29_2026-11-25.json";
+    "bench/results/h200_v30_3runs_2026-11-25.json,bench/results/h200_recipes_v29_2026-11-25.json";
 
 }  // namespace
 

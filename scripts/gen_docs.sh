@@ -27,9 +27,8 @@ fi
 cmake --build "$build" -j "$jobs" --target sage_cli
 sage="$build/cli/sage"
 
-# Without arguments, `sage docs`'s default files (the H200 runs of v29, 2026-11-25; before them
-# v18's of 2026-11-24, and the H100 table of v7 from bench/results/h100_v7_2026-11-22.json and
-# h100_recipes.json).
+# Without arguments, `sage docs`'s default files (cli/docs.cpp kDefaultBench: the H200 grid of
+# record and the H200 every-preset run, both in bench/results/).
 if [ $# -gt 0 ]; then
   "$sage" docs --out docs/recipes.md --bench "$(IFS=,; echo "$*")"
 else

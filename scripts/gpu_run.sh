@@ -50,7 +50,7 @@ if has python; then
 fi
 if has bench; then
   # BENCH_RUNS grids (default 3, ~12 s each on an H200), merged into their per-point median:
-  # single grids of the same code move by up to ~9% (docs/performance.md, session 25). The
+  # single grids of the same code move by up to ~9% (docs/performance.md, Protocol). The
   # runs stay in the build folder: only the merged grid goes to $OUT (its 8-file limit).
   runs=${BENCH_RUNS:-3} iters=10
   log "bench ($runs runs of the grid)"
@@ -174,8 +174,8 @@ if has profile; then
       -k regex:attention_kernel > "$OUT/ncu_sass_d$1_n$2.csv" 2>&1
     echo "sass export: $(wc -l < "$OUT/ncu_sass_d$1_n$2.csv") lines"
     # Source lines with their SASS (needs a -lineinfo build, e.g. KNOBS="base=-lineinfo"):
-    # which SASS address range is which stage of the kernel (docs/performance.md, "Profile by
-    # pipeline stage").
+    # which SASS address range is which stage of the kernel (the v13 stage profile in the
+    # experiment log, docs/history/README.md).
     ncu --import "$PB/prof_d$1_n$2.ncu-rep" --page source --print-source cuda,sass --csv \
       -k regex:attention_kernel > "$OUT/ncu_src_d$1_n$2.csv" 2>&1
     echo "source export: $(wc -l < "$OUT/ncu_src_d$1_n$2.csv") lines"
