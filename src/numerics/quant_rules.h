@@ -63,7 +63,7 @@ constexpr int32_t kIntRowMaxBias = int32_t{1} << 24;
 // two-level E4M3 path (sage2_8b's), the integer row max yields P~ * p_scale straight from
 // exp2, with k = log2(p_scale) added to the exponent rather than a multiply per score. The
 // other integer row max recipes keep the multiply: SageAttention2++'s fp16x2 path lost up to
-// 10% at d = 64 with the add (docs/performance.md v25); fp16 and INT8 P were not measured.
+// 10% at d = 64 with the add (docs/history/README.md, v25); fp16 and INT8 P were not measured.
 inline bool p_scale_in_exponent(const Recipe& r) {
   return integer_row_max(r) && r.pv_format == PVFormat::e4m3 && r.pv_accum == PVAccum::two_level;
 }
@@ -75,7 +75,7 @@ inline bool p_scale_in_exponent(const Recipe& r) {
 // k = 0 (fp16 P: adding 0), 0 (never) for a p_scale that is no power of two (k rounded) and
 // below head dim 128: there the consumer warps have 128 registers, and the fold's extra live
 // values made ptxas spill (80 -> 196 bytes; a per-row form of the fold lost 4-14% kernel time
-// at d = 64, docs/performance.md v25b), while the add alone gained 0-2.5% (v25).
+// at d = 64, docs/history/README.md, v25b), while the add alone gained 0-2.5% (v25).
 struct PScaleFold {
   float k = 0.f;           // log2(p_scale) as a float (exact for a power of two)
   float mult_limit = 0.f;  // a group folds k into its offset iff mult < mult_limit
@@ -97,7 +97,7 @@ SAGE_HD bool p_scale_folds(float mult, float mult_limit) { return mult < mult_li
 // the PV MMA multiplies P with one more V channel of ones, so the row sum is the quantized P
 // accumulated as the output is (step 9's FP8 k32 steps, then two-level) and the softmax's
 // float sum of P~ (one FADD per score, the issue slots that bind the kernel) goes away:
-// +1.8% .. +4.7% kernel time at d = 128 (docs/performance.md v26). Below, the recipe sums the
+// +1.8% .. +4.7% kernel time at d = 128 (docs/history/README.md, v26). Below, the recipe sums the
 // unquantized P~ as float_p does: at d = 64 the n = 72 MMA's extra registers made ptxas spill
 // and the kernel lost 4-12% (v19d). Only E4M3 P with two-level accumulation has such a kernel.
 constexpr int kRowSumMmaMinHeadDim = 128;

@@ -31,7 +31,7 @@ constexpr int kThreads = 256;
 constexpr int kStatsCtas = 8;  // the most CTAs per head (the portable cluster size)
 // Heads of at most this many tokens get half as many CTAs (a second instantiation): at N = 1K,
 // 8 per head made 15 waves of short CTAs, and 4 took 6% off the pre-pass at N = 1K (both head
-// dims) and at d = 64, 2K (docs/performance.md, v30).
+// dims) and at d = 64, 2K (docs/history/README.md, v30).
 constexpr int kStatsHalfClusterMaxN = 2048;
 int stats_ctas(int n_kv) { return n_kv <= kStatsHalfClusterMaxN ? kStatsCtas / 2 : kStatsCtas; }
 // The CTAs of a cluster that read K: a share of the cluster as K's sampled rows are of the
@@ -644,7 +644,7 @@ void launch_kv_prepass(const KVQuantParams& p, cudaStream_t stream) {
   KVQuantParams q = p;
   // Set here, not in the kernel: the first form divided in every CTA before its first load
   // and, with a loop of single loads for the last round, cost the pre-pass 2-6% at stride 1
-  // (docs/performance.md, v29).
+  // (docs/history/README.md, v29).
   q.k_mean_samples = int(rules::k_mean_samples(p.n_kv, p.k_mean_stride));
   const int ctas = stats_ctas(p.n_kv);
   q.stats_k_ctas = stats_k_ctas(p.k_mean_stride, ctas);

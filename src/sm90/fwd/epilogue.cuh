@@ -41,7 +41,7 @@ __device__ __forceinline__ void store_output_rows(const float (&o)[D / 2], const
   // The channel scales and means of columns 8j + 2t, +1, all requested before the first use
   // (loaded where used, each multiply waited for its load). Loaded here, not by the caller:
   // as kernel-side arrays filled right after the last PV MMA they spilled 744 bytes of the
-  // d = 128 kernel (ptxas) and cost 5-8% there (docs/performance.md, v13).
+  // d = 128 kernel (ptxas) and cost 5-8% there (docs/history/README.md, v13).
   float2 vs[D / 8], vm[D / 8];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) {

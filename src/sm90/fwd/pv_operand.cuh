@@ -5,10 +5,10 @@
 // A recipe's PV choices (format of P and V, P scale, accumulator) meet only here and in the
 // K/V pre-pass that writes V in the format the policy reads (quant/kv_prepass.cu). Adding a
 // format is one more specialization of PVOperand plus its V encoding; the kernel skeleton
-// (attention_kernel.cuh) does not change (docs/recipes_on_gpu.md shows the diff of one).
+// (kernel.cuh, mainloop.cuh) does not change (docs/recipes_on_gpu.md shows the diff of one).
 //
 // Every policy has the same shape, in three steps so that the kernel can run the MMAs of tile
-// i - 1 while it computes the softmax of tile i (attention_kernel.cuh):
+// i - 1 while it computes the softmax of tile i (mainloop.cuh):
 //   kVBytes                     bytes per V element in the shared-memory tile
 //   Fragments                   P as the MMA's A operand (registers)
 //   Accumulator                 the tile's product P V
@@ -21,7 +21,7 @@
 //                               group; frags and acc belong to the MMA until it is waited for
 //   fold(o, acc, frags, alpha)  after the wait: o = o * alpha (the online-softmax rescale of
 //                               rows g, g + 8) + the tile's product
-//   kOnesRows                   rows of ones under the V tile (kernel_params.h, v_ones_rows):
+//   kOnesRows                   rows of ones under the V tile (kernel_traits.h, v_ones_rows):
 //                               where > 0 the MMA's extra n8 block is the tile's row sum of
 //                               the quantized P, and fold_row_sum(l, acc, alpha) folds it into
 //                               the softmax's l (RowSum::pv_mma) in place of the softmax's sum

@@ -67,7 +67,7 @@ struct QOperand {
       // All 16 loads are issued before any value is used: a row past n_q reads row n_q - 1 (a
       // valid address) and is zeroed after. (Predicated per row, ptxas put the last load
       // behind a branch after the other loads' uses: a second L2 round trip per item, ncu,
-      // H100, d = 128, N = 1K, v16 in docs/performance.md.)
+      // H100, d = 128, N = 1K, v16 in docs/history/README.md.)
       const bool valid[2] = {rows[0] < p.n_q, rows[1] < p.n_q};
       const T* row_ptr[2];
 #pragma unroll

@@ -105,7 +105,7 @@ struct OnlineSoftmax {
   //             other adds k to each exponent. The fold depends on mult alone, so its warp
   //             vote runs beside the max reduction, off the softmax's chain. Four loops, all
   //             before the exps: with the exps inside the branches ptxas issued the 64 MUFUs
-  //             in one burst and lost 10-19% (docs/performance.md v25). (Sharing the folding
+  //             in one burst and lost 10-19% (docs/history/README.md, v25). (Sharing the folding
   //             warp's two loops with multiply and add's, the same code, changed ptxas's d =
   //             128 schedule; this is the measured form.)
   template <PScaleMode kMode, bool kSum = true>

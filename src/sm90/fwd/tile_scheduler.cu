@@ -11,23 +11,11 @@
 namespace sage::sm90 {
 namespace {
 
-// Each CTA pays a prologue (Q load and quantization, the first K/V round trip through TMA)
-// and an epilogue (normalization, stores) that its own tiles cannot hide, and one CTA fits
-// per SM, so another CTA does not hide them either: at N = 1K (8 K/V tiles per Q tile) they
-// took as long as the tiles (ncu, H100, v8, docs/performance.md). Chained items save the
-// CTA exit and launch and the first K/V round trip of every item but the first (the producer
-// loads the next item's tiles during the epilogue). A CTA takes items until it has about this
-// many K/V tiles. Measured (H100, same-run A/B, docs/performance.md v11): +4-6% whole call at
-// d = 64, N = 1K-2K; within 2% either way at d = 128. Targets of 48 and 72 measured within
-// 2% of 64, going opposite ways at d = 64 and d = 128; 96 (5.2 waves at 1K) lost 7% at d = 128
-// (v12 A/B, bench/results/h100_v12_ab_2026-11-23.md).
+// Each CTA pays a prologue (Q, the first K/V round trip) and an epilogue that its own tiles
+// cannot hide; chained items pay them once per CTA. A CTA takes items until it has about this
+// many K/V tiles (v11-v12 in docs/history/README.md).
 constexpr int kDefaultCtaTiles = 64;
-// Under a causal mask items carry 1 to n_q_tiles K/V tiles and each pays the same prologue
-// and epilogue: fewer per CTA (more CTAs, more waves) even them out. Measured (H200, same-run
-// A/B, bench/results/h200_v18_ab_2026-11-24.md section 4): targets 16 and 32 against 64, causal
-// whole call at N = 1K / 2K / 4K: d = 128 +7% / +4% / +2% (16), +9% / +3% / +1% (32); d = 64
-// +9% / +6% / +3% (16), +8% / +4% / +3% (32). Non-causal launches lost up to 2.4% at d = 64,
-// N <= 2K with either, so they keep 64.
+// Causal items carry 1 to n_q_tiles K/V tiles each: fewer per CTA even them out (v18).
 constexpr int kDefaultCausalCtaTiles = 16;
 // ... but the grid keeps at least this many waves of CTAs, so that the hardware's dynamic
 // scheduling still evens out uneven (causal) items and the last wave stays short.
@@ -84,14 +72,10 @@ int chunked_items_per_cta(const AttentionParams& p) {
   return int(std::min(by_tiles, by_waves));
 }
 
-// The consecutive order (tile_scheduler.h) keeps a head's Q tiles on one CTA, which then re-reads
-// the head's K/V from L2 for each of them, if it is still there: the CTAs resident together
-// work on up to one head each. When their heads' K/V exceeds half the L2, the grouped order
-// (a head's Q tiles on resident CTAs side by side) is taken. Measured (H100, 50 MB L2, 132
-// SMs, same-run A/B, docs/performance.md v13): d = 128, N = 1K (35 MB): grouped +6% kernel
-// only (+4% whole call); d = 64, N = 1K (17 MB): grouped -3% kernel only, so consecutive
-// stays; N >= 4K (a few heads in flight either way): within 1%. Causal launches keep the
-// consecutive order, which balances the diagonal's uneven items.
+// The consecutive order re-reads a head's K/V from L2 for each of its Q tiles, if it is still
+// there: when the resident CTAs' heads' K/V exceeds half the L2, the grouped order (a head's Q
+// tiles on resident CTAs side by side) is taken. Causal launches keep the consecutive order,
+// which balances the diagonal's uneven items (v13).
 bool chunked_grouped(const AttentionParams& p, int per_cta, int head_dim, int v_bytes) {
   if (p.causal) return false;
   const int64_t resident_ctas = sm_count();
@@ -101,14 +85,9 @@ bool chunked_grouped(const AttentionParams& p, int per_cta, int head_dim, int v_
   return heads_in_flight * head_kv_bytes > l2_bytes() / 2;
 }
 
-// The strided order (one CTA per SM, each paying a CTA's first item once) against the
-// chunked ones, kernel alone, same-run A/B (H200, bench/results/h200_v28_ab_2026-11-25.md):
-// d = 128 +2.9% / +3.6% / +0.6% / -0.3% at N = 1K / 2K / 4K / 16K, causal +5.3% / +6.6% /
-// +4.4% / -1.9%; d = 64 +0.7% .. +2.4%, causal -4.0% / +0.5% / +2.2% / +1.6%. Its units run to
-// the end with no dynamic scheduling to even out the last round (up to ~3% of the kernel where
-// CTAs run 23-31 units, as in both losses), so the chunked orders keep the causal launches
-// where it lost: long items at d = 128 (more than 16 K/V tiles on average: no Q stage, so little
-// to save on first items) and the shortest at d = 64 (4 or fewer).
+// The strided order (one CTA per SM, each paying a CTA's first item once) wins except where
+// its units, run to the end with no dynamic scheduling, leave an uneven last round: causal
+// launches with long items at d = 128 and the shortest at d = 64 keep the chunked orders (v28).
 WorkOrder automatic_order(const AttentionParams& p, int per_cta, int head_dim, int v_bytes) {
   const int tiles = average_item_tiles(p);
   const bool chunked_wins =
@@ -153,12 +132,8 @@ int items_per_cta(const WorkSchedule& s) {
   return s.per_cta * (s.causal && s.n_q_tiles > 1 ? 2 : 1);
 }
 
-
-// The stage saves each chained item its Q prologue, a fixed cost, while the staged kernel runs
-// its K/V tiles 1-2% slower (h200_v23_ab_2026-11-24.md, section 3: d = 128, N = 4K, two items of
-// 32 tiles per CTA, -1.0% kernel; d = 64, N = 2K / 4K, -0.6% / -2.3%). So it is taken for short
-// items only: at most 16 K/V tiles per average item at d = 128 (N = 1K / 2K: +7.0% / +2.7%
-// kernel, causal +6.9% / +3.2%) and 8 at d = 64 (N = 1K: +3.1%).
+// The Q stage saves each chained item its Q prologue, a fixed cost, while the staged kernel
+// runs its K/V tiles 1-2% slower: it is taken for short items only (v23).
 constexpr int kQStageMaxItemTiles128 = 16;
 constexpr int kQStageMaxItemTiles64 = 8;
 

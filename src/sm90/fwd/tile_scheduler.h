@@ -34,7 +34,7 @@
 // arithmetic sequence like the item loops had before the strided order: written as a
 // next-slot function with a branch for the causal units' halves, the same loops moved ptxas's
 // K/V loop schedule and lost 2% at d = 128, N = 16K where nothing else changed (H200 A/B,
-// docs/performance.md v28). So under a causal mask CTA c's k-th slot is k ctas + c, its unit
+// docs/history/README.md, v28). So under a causal mask CTA c's k-th slot is k ctas + c, its unit
 // (k / 2) ctas + c and its half k % 2 (heavy tile first).
 #pragma once
 
