@@ -332,7 +332,7 @@ int run_bench(const std::vector<std::string>& args) {
     return 2;
   }
 #ifdef SAGE_WITH_CUDA
-  if (!c.json.empty()) check_writable("sage bench", c.json);
+  if (!c.json.empty()) check_writable("sage bench", "json", c.json);
   return run_grid(c);
 #else
   return 2;  // unreachable: gpu_available() is false without CUDA

@@ -81,6 +81,19 @@ std::vector<uint16_t> run_on_gpu(DistributionCase& dc, const Recipe& recipe, con
 
 #endif
 
+// The option flags change a preset; a change that leaves it invalid (--p-range 1000 on E4M3 P)
+// is the flag's usage error, with the library's sentence naming the option and its range.
+void validate_changed(const Recipe& r, const std::string& preset_name) {
+  try {
+    validate_recipe(r);
+  } catch (const Error& e) {
+    std::string flag = e.argument();
+    if (flag.rfind("recipe.", 0) == 0) flag = flag.substr(7);
+    for (char& c : flag) c = c == '_' ? '-' : c;
+    throw UsageError("sage check: --" + flag + " does not suit " + preset_name + ": " + e.what());
+  }
+}
+
 }  // namespace
 
 int run_check(const std::vector<std::string>& args) {
@@ -106,8 +119,8 @@ int run_check(const std::vector<std::string>& args) {
        {"device", "auto|cpu|gpu", "where the recipe runs (default auto: gpu when one is usable)"},
        {"p-range", "P", "scale P~ to [0, P] before quantizing it, instead of the preset's range "
                         "(recipes whose P has a static scale)"},
-       {"row-sum", "float_p|quantized_p", "what the softmax denominator sums, instead of the "
-                                          "preset's choice"},
+       {"row-sum", "float_p|quantized_p|pv_mma", "what the softmax denominator sums, instead "
+                                                 "of the preset's choice"},
        {"k-mean-stride", "S", "take K smoothing's mean over every S-th key (1: every key), "
                               "instead of the preset's stride (recipes that smooth K)"}},
       args);
@@ -156,6 +169,7 @@ int run_check(const std::vector<std::string>& args) {
       r.row_sum = row_sum == "quantized_p" ? RowSum::quantized_p
                   : row_sum == "pv_mma"    ? RowSum::pv_mma
                                            : RowSum::float_p;
+    validate_changed(r, name);
     return r;
   };
   for (const std::string& name : recipes) checked_recipe(name);  // usage errors before any work
@@ -170,7 +184,7 @@ int run_check(const std::vector<std::string>& args) {
   } else if (device_flag == "auto") {
     on_gpu = gpu_available();
   }
-  if (!json.empty()) check_writable("sage check", json);
+  if (!json.empty()) check_writable("sage check", "json", json);
 
   std::string device = "cpu";
 #ifdef SAGE_WITH_CUDA

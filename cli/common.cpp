@@ -279,9 +279,9 @@ std::string JsonRecord::dump() const {
   return out + "}";
 }
 
-void check_writable(const std::string& command, const std::string& path) {
+void check_writable(const std::string& command, const std::string& flag, const std::string& path) {
   std::ofstream f(path, std::ios::app);
-  if (!f) throw UsageError(command + ": --json " + path + " cannot be opened for writing");
+  if (!f) throw UsageError(command + ": --" + flag + " " + path + " cannot be opened for writing");
 }
 
 void write_json_file(const std::string& command, const std::string& path, const JsonRecord& meta,

@@ -107,9 +107,9 @@ class JsonRecord {
   std::vector<std::pair<std::string, std::string>> fields_;  // key, serialized value
 };
 
-// Fails before a long run rather than after it when --json names a place that cannot be
-// written.
-void check_writable(const std::string& command, const std::string& path);
+// Fails before a long run rather than after it when a flag (`flag`, without "--": "json",
+// "out") names a place that cannot be written.
+void check_writable(const std::string& command, const std::string& flag, const std::string& path);
 // Writes {<meta fields>, "records": [...]} to `path`, one record per line; throws UsageError
 // when the file cannot be written (the path came from the user's --json flag).
 void write_json_file(const std::string& command, const std::string& path, const JsonRecord& meta,

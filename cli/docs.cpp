@@ -340,7 +340,7 @@ int run_docs(const std::vector<std::string>& args) {
     if (bench_paths.empty()) throw UsageError("sage docs: --bench needs at least one file name");
   }
   if (out_path.empty()) throw UsageError("sage docs: --out needs a file name");
-  check_writable("sage docs", out_path);
+  check_writable("sage docs", "out", out_path);
 
   const CheckShape shape = docs_shape();
   const std::vector<std::string>& dists = reference::synthetic_distributions();

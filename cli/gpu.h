@@ -9,13 +9,14 @@
 #include <cstddef>
 #include <string>
 
+#include "common/cuda_status.h"
 #include "sage/error.h"
 
 namespace sage::cli {
 
 inline void cuda_check(cudaError_t e, const char* what) {
   if (e != cudaSuccess)
-    throw sage::CudaError(std::string(what) + ": " + cudaGetErrorString(e));
+    throw sage::CudaError(std::string(what) + ": " + sage::cuda_unavailable_reason(e));
 }
 
 // One cudaMalloc'ed buffer, freed on scope exit (also when a recipe throws mid-run).

@@ -145,7 +145,8 @@ struct Calibration {
 
 // Throws sage::Error("candidates", ...) for an unknown or prequantized-input preset or an
 // empty list, sage::Error("threshold", ...) outside (0, 1], sage::Error("layers", ...) when
-// there are none, and check_args' errors (prefixed by the layer) for bad samples.
+// there are none, and sage::Error("layers", "layer <i>: <argument>: ...") for bad samples:
+// check_args' errors, and a sample holding NaN or Inf (its scores would mean nothing).
 Calibration calibrate(const std::vector<LayerSamples>& layers, const SpeedTable& speeds,
                       const CalibrationOptions& options = {});
 

@@ -91,7 +91,8 @@ struct Recipe {
   // changes only how well K is centred before quantization, and the GPU's statistics pass
   // reads 1/s of K. A parameter of K smoothing: without smooth_k there is no mean and it does
   // nothing (the Python and spec parsers set it to 1 then, and refuse a stride > 1 given with
-  // smooth_k false).
+  // smooth_k false). From 1 to 2^20 (rules::kMaxKMeanStride): a larger stride takes key 0
+  // alone on any sequence the kernels run, as 2^20 already does.
   int k_mean_stride = 8;
   bool smooth_q = false;  // subtract the per-Q-block mean; add back dS = mean(Q_blk) K^T
   bool smooth_v = false;  // subtract the mean of V over tokens; add it back to the output
@@ -99,8 +100,17 @@ struct Recipe {
   PScale p_scale = PScale::static_max;
   VScale v_scale = VScale::per_channel;
   PVAccum pv_accum = PVAccum::two_level;
-  float p_range = 0.f;  // static_max: P~ is scaled to [0, p_range] (0: the format max; E4M3 256)
-  float v_range = 0.f;  // per_channel/per_tensor V scaled to [-v_range, v_range] (0: format max)
+  // static_max: P~ (in [0, 1]) is scaled to [0, p_range] before it is encoded. 0 is the
+  // format's default (E4M3 256, E5M2 57344, INT8 127); otherwise 1 <= p_range <= the format's
+  // largest value (E4M3 448, E5M2 57344, INT8 127). Above it the largest P~ saturate (1000 on
+  // E4M3 gave a max error of 0.71); below 1 no format gains precision and the small P~ flush
+  // toward zero. fp8/int8 P only (fp16 and fp4 P take 0).
+  float p_range = 0.f;
+  // per_channel/per_tensor V is scaled to [-v_range, v_range]. 0 is the format's largest value;
+  // otherwise 1 <= v_range <= that value, for the same reasons as p_range. With pv_accum
+  // fp16x2_fp32, p_range * v_range (the defaults where 0) must be at most 65504 / 64 = 1023.5:
+  // one FP16 accumulation sums 64 products of at most that size (SageAttention2++'s 112 * 4.5).
+  float v_range = 0.f;
   RowSum row_sum = RowSum::pv_mma;  // the float sum wherever the PV path has no MMA row sum
   Inputs inputs = Inputs::floating;
 };
@@ -118,7 +128,9 @@ const Recipe& preset(const std::string& name);
 // The paper a preset comes from and a one-line description (for docs and the CLI).
 std::string recipe_paper(const Recipe& r);
 std::string recipe_summary(const Recipe& r);
-// Throws sage::Error naming the inconsistent option (e.g. "recipe.qk_granularity").
+// Throws sage::Error naming the inconsistent option (e.g. "recipe.qk_granularity"): an enum
+// field holding no enumerator's value, a number outside its range (p_range, v_range,
+// k_mean_stride above), or a combination of options that has no defined numerics.
 void validate_recipe(const Recipe& r);
 
 const char* to_string(QKFormat v);

@@ -4,6 +4,7 @@ Works with NumPy alone (the CPU references: simulate, exact) and, when torch is
 installed, adds the GPU front end (sageattn, scaled_dot_product_attention, patch_sdpa)
 built on the custom ops in sagekit.ops (torch.ops.sagekit.*), and the same attention in two
 steps (quantize_kv once, then sageattn_quantized_kv any number of times).
+sagekit.compat has the reference SageAttention package's functions, with its signatures.
 """
 
 from . import _C

@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterator, NamedTuple, Optional
 import torch
 
 from . import ops  # registers torch.ops.sagekit.*
-from ._errors import argument_error
+from ._errors import argument_error, checked_scale
 from ._recipes import RecipeLike, recipe_key
 
 __all__ = ["sageattn", "scaled_dot_product_attention", "patch_sdpa", "SdpaPatch", "QuantizedKV",
@@ -96,8 +96,7 @@ def sageattn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool 
             _check_cuda(t, name, q)
     if not isinstance(is_causal, bool):
         raise argument_error("is_causal", f"must be a bool (got {type(is_causal).__name__})")
-    if scale is not None:
-        scale = float(scale)
+    scale = checked_scale(scale)
     out, lse = ops.call_attention(q, k, v, layout, is_causal, scale, recipe_key(recipe),
                                            return_lse, q_scale, k_scale, v_scale, out_dtype)
     return (out, lse) if return_lse else out
@@ -198,8 +197,7 @@ def sageattn_quantized_kv(q: torch.Tensor, kv: QuantizedKV, is_causal: bool = Fa
     if q_scale is not None:
         _check_tensor(q_scale, "q_scale")
         _check_cuda(q_scale, "q_scale", k)
-    if scale is not None:
-        scale = float(scale)
+    scale = checked_scale(scale)
     out, lse = ops.call_attention_from_quantized_kv(
         q, k, kv.v, kv.workspace, kv.layout, is_causal, scale, kv.recipe, return_lse, q_scale,
         kv.k_scale, kv.v_scale, out_dtype)

@@ -6,12 +6,11 @@ machine without the GPU. `exact` is attention in float64. Both return float32 ou
 the same kind as their inputs (NumPy in, NumPy out; torch in, torch out).
 """
 
-import numbers
 import sys
 from typing import Any, Optional, Tuple
 
 from . import _C
-from ._errors import argument_error
+from ._errors import argument_error, checked_scale
 from ._recipes import RecipeLike
 
 
@@ -67,8 +66,7 @@ def _run(fn, q, k, v, recipe, is_causal, scale, layout, return_lse, q_scale, k_s
     layout = _layout(layout)
     if not isinstance(is_causal, bool):
         raise argument_error("is_causal", f"must be a bool (got {type(is_causal).__name__})")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
-        raise argument_error("scale", f"must be a float or None (got {type(scale).__name__})")
+    scale = checked_scale(scale)
     if _is_torch(q):
         kind = "torch"
     elif _is_numpy(q):
@@ -102,7 +100,7 @@ def _run(fn, q, k, v, recipe, is_causal, scale, layout, return_lse, q_scale, k_s
         lse = np.empty(_lse_shape(shape, layout), dtype=np.float32) if return_lse else None
         conv, out_arg, lse_arg = named, out, lse
     fn(conv["q"], conv["k"], conv["v"], out_arg, lse_arg, layout=layout, causal=is_causal,
-       sm_scale=None if scale is None else float(scale), recipe=recipe,
+       sm_scale=scale, recipe=recipe,
        q_scale=conv["q_scale"], k_scale=conv["k_scale"], v_scale=conv["v_scale"])
     return (out, lse) if return_lse else out
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <sstream>
 #include <vector>
 
@@ -123,10 +124,15 @@ int parse_positive_int(const std::string& key, const Value& v) {
   return static_cast<int>(x);
 }
 
+// Ranges are float32 in the recipe; a number float cannot hold is refused here, before it
+// would become an infinity (or a zero) that the range check would then report.
 float parse_float(const std::string& key, const Value& v) {
   double x = 0;
   if (!as_number(v, x) || !std::isfinite(x))
     throw sage::Error("recipe." + key, "must be a finite number (got " + describe(v) + ")");
+  if (std::fabs(x) > double(std::numeric_limits<float>::max()))
+    throw sage::Error("recipe." + key, "must be a finite float32 (got " + describe(v) +
+                                           ", beyond float32's largest value)");
   return static_cast<float>(x);
 }
 
@@ -213,6 +219,23 @@ std::string trim(const std::string& s) {
   return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
 }
 
+bool is_option(const std::string& key) {
+  for (const char* o : kOptions)
+    if (key == o) return true;
+  return false;
+}
+
+// A bare item (no '=') is the base preset, and only as the first item: an option name there
+// lacks its value ("sage2_8b,pv_accum"), and a later bare item is not an option at all.
+void refuse_bare_option(const std::string& spec, const std::string& item, bool after_first) {
+  if (is_option(item))
+    throw sage::Error("recipe." + item, "needs a value: " + item + "=VALUE (in '" + spec + "')");
+  if (after_first)
+    throw sage::Error("recipe", "'" + item + "' in '" + spec +
+                                    "' is not key=value; only the first item may be a bare "
+                                    "preset name (the base)");
+}
+
 sage::Recipe from_string(const std::string& spec) {
   std::string base, name;
   bool has_base = false, has_name = false;
@@ -223,6 +246,8 @@ sage::Recipe from_string(const std::string& spec) {
     item = trim(item);
     if (item.empty()) continue;
     size_t eq = item.find('=');
+    if (eq == std::string::npos) refuse_bare_option(spec, item,
+                                                  has_base || has_name || !options.empty());
     std::string key = eq == std::string::npos ? "base" : trim(item.substr(0, eq));
     std::string val = eq == std::string::npos ? item : trim(item.substr(eq + 1));
     if (key == "base" || key == "name") {
@@ -287,7 +312,7 @@ sage::Recipe recipe_from(nb::handle spec) {
   if (nb::isinstance<nb::str>(spec)) {
     std::string s = nb::cast<std::string>(spec);
     // The common case, and the one whose error should list the presets.
-    if (s.find_first_of(",=") == std::string::npos) {
+    if (s.find_first_of(",=") == std::string::npos && !is_option(trim(s))) {
       sage::Recipe r = sage::preset(trim(s));
       sage::validate_recipe(r);
       return r;

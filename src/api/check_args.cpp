@@ -92,11 +92,12 @@ void check_memory(const Named& n) {
   for (int i = 0; i < t.ndim; ++i)
     if (t.strides[i] < 0)
       throw Error(n.name, "strides must be >= 0 (got strides " + strides_str(t) + ")");
-  // A size-1 head_dim has no neighbour, so its stride is irrelevant (frameworks leave any value).
-  if (n.head_dim_contiguous && t.shape[3] > 1 && t.strides[3] != 1)
+  // A size-1 head_dim has no neighbour, so its stride is irrelevant (frameworks leave any value);
+  // nor does an empty view address any element (NumPy gives empty arrays zero strides).
+  const int64_t count = t.numel();
+  if (n.head_dim_contiguous && count > 0 && t.shape[3] > 1 && t.strides[3] != 1)
     throw Error(n.name, "the last dimension (head_dim) must be contiguous, stride 1 (got stride " +
                             num(t.strides[3]) + ")");
-  const int64_t count = t.numel();
   if (t.data == nullptr && count > 0)
     throw Error(n.name, "data must not be null for a view of " + num(count) + " elements (shape " +
                             shape_str(t) + ")");

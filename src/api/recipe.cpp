@@ -1,9 +1,11 @@
 // The papers' configurations as presets over the recipe options, and their validation.
 #include "sage/recipe.h"
 
+#include <cstring>
 #include <sstream>
 
 #include "sage/error.h"
+#include "sage/quant_rules.h"
 
 namespace sage {
 namespace {
@@ -137,7 +139,107 @@ std::string recipe_summary(const Recipe& r) {
   return os.str();
 }
 
+namespace {
+
+// An enum holding a value none of its enumerators has (a cast from an int, a corrupt
+// struct) is refused by name: every rule below, and every kernel, assumes a known value.
+// to_string is the one list of the values ("?" for anything else); an enum's values are
+// found by asking it about each of the 256 codes of its uint8_t representation.
+template <class E>
+bool is_enumerator(E value) {
+  return std::strcmp(to_string(value), "?") != 0;
+}
+
+template <class E>
+std::string enum_values() {
+  std::string list;
+  for (int code = 0; code < 256; ++code)
+    if (is_enumerator(static_cast<E>(code)))
+      list += (list.empty() ? "" : ", ") + std::string(to_string(static_cast<E>(code)));
+  return list;
+}
+
+template <class E>
+void check_enum(const char* option, E value) {
+  if (is_enumerator(value)) return;
+  throw Error(std::string("recipe.") + option,
+              "is not one of " + enum_values<E>() + " (got the code " +
+                  std::to_string(static_cast<int>(value)) + ")");
+}
+
+void check_enums(const Recipe& r) {
+  check_enum("qk_format", r.qk_format);
+  check_enum("qk_granularity", r.qk_granularity);
+  check_enum("pv_format", r.pv_format);
+  check_enum("p_scale", r.p_scale);
+  check_enum("v_scale", r.v_scale);
+  check_enum("pv_accum", r.pv_accum);
+  check_enum("row_sum", r.row_sum);
+  check_enum("inputs", r.inputs);
+}
+
+std::string number(float x) {
+  std::ostringstream os;
+  os << x;
+  return os.str();
+}
+
+// p_range / v_range: 0 (the format's default) or a value in [kMinRange, the format's max].
+// P~ (in [0, 1]) or V' / max|V'| (in [-1, 1]) is multiplied by the range before it is encoded.
+// Above the format's max the largest values saturate (P~ = 1 no longer encodes as p_range:
+// p_range = 1000 on E4M3 gave a max error of 0.71). Below 1 nothing is gained and the small
+// values go first: the FP formats' relative precision does not depend on the scale, so a
+// smaller range only pushes more values into subnormals and zero, and INT8 has fewer codes
+// (none at all below 0.5, where every value flushes to 0).
+void check_range(const char* option, float range, PVFormat format) {
+  const float max = rules::pv_format_max(format);
+  if (range == 0.f || (range >= rules::kMinRange && range <= max)) return;
+  throw Error(std::string("recipe.") + option,
+              "must be 0 (the format's default) or from " + number(rules::kMinRange) + " to " +
+                  number(max) + ", the largest value of pv_format " + to_string(format) +
+                  " (got " + number(range) + ")");
+}
+
+// SageAttention2++'s FP16 accumulator sums 2 k32 steps of products of at most p * v before the
+// FP32 add: 64 p v must stay within FP16's 65504, or the sum overflows to infinity on inputs
+// that reach the bound (equal scores over a tile and a constant V channel).
+void check_fp16x2_ranges(const Recipe& r) {
+  if (r.pv_accum != PVAccum::fp16x2_fp32) return;
+  const float p = rules::p_static_max(r), v = rules::v_static_max(r);
+  if (double(p) * double(v) <= rules::kFp16x2MaxRangeProduct) return;
+  const auto described = [](float given, float used) {
+    return given == 0.f ? "0 (the format's default, " + number(used) + ")" : number(used);
+  };
+  throw Error("recipe.p_range",
+              "times v_range must be at most " + number(float(rules::kFp16x2MaxRangeProduct)) +
+                  " with pv_accum fp16x2_fp32, so that the FP16 sum of 64 products of P and V "
+                  "stays below 65504 (got p_range " + described(r.p_range, p) + " and v_range " +
+                  described(r.v_range, v) + ")");
+}
+
+void check_ranges(const Recipe& r, bool fp8_pv) {
+  if (r.k_mean_stride < 1 || r.k_mean_stride > rules::kMaxKMeanStride)
+    throw Error("recipe.k_mean_stride", "must be from 1 (every key) to " +
+                                            std::to_string(rules::kMaxKMeanStride) + " (got " +
+                                            std::to_string(r.k_mean_stride) + ")");
+  const bool scaled_pv = fp8_pv || r.pv_format == PVFormat::int8;
+  if (r.p_range != 0.f && !scaled_pv)
+    throw Error("recipe.p_range", std::string("applies to fp8/int8 P only (pv_format ") +
+                                      to_string(r.pv_format) + " takes 0, got " +
+                                      number(r.p_range) + ")");
+  if (r.v_range != 0.f && !scaled_pv)
+    throw Error("recipe.v_range", std::string("applies to fp8/int8 V only (pv_format ") +
+                                      to_string(r.pv_format) + " takes 0, got " +
+                                      number(r.v_range) + ")");
+  check_range("p_range", r.p_range, r.pv_format);
+  check_range("v_range", r.v_range, r.pv_format);
+  check_fp16x2_ranges(r);
+}
+
+}  // namespace
+
 void validate_recipe(const Recipe& r) {
+  check_enums(r);
   const bool fp4_qk = r.qk_format == QKFormat::nvfp4 || r.qk_format == QKFormat::mxfp4;
   if (fp4_qk != (r.qk_granularity == Granularity::microscale))
     throw Error("recipe.qk_granularity",
@@ -168,13 +270,7 @@ void validate_recipe(const Recipe& r) {
                                        " accumulation models the FP8 MMA and needs pv_format e4m3/e5m2");
   if (r.pv_accum == PVAccum::fp16 && r.pv_format != PVFormat::fp16)
     throw Error("recipe.pv_accum", "fp16 accumulation is defined for pv_format fp16 only");
-  if (r.k_mean_stride < 1)
-    throw Error("recipe.k_mean_stride",
-                "must be >= 1 (1: every key) (got " + std::to_string(r.k_mean_stride) + ")");
-  if (r.p_range < 0 || r.v_range < 0)
-    throw Error("recipe.p_range", "p_range and v_range must be >= 0 (0 means the format's default)");
-  if ((r.p_range > 0 || r.v_range > 0) && !(fp8_pv || r.pv_format == PVFormat::int8))
-    throw Error("recipe.p_range", "narrowed ranges apply to fp8/int8 P and V only");
+  check_ranges(r, fp8_pv);
   if (r.inputs == Inputs::prequantized_int8 &&
       !(r.qk_format == QKFormat::int8 && r.qk_granularity == Granularity::per_token &&
         r.pv_format == PVFormat::int8 && !r.smooth_k && !r.smooth_q && !r.smooth_v))
@@ -251,7 +347,11 @@ const char* to_string(RowSum v) {
   return "?";
 }
 const char* to_string(Inputs v) {
-  return v == Inputs::floating ? "floating" : "prequantized_int8";
+  switch (v) {
+    case Inputs::floating: return "floating";
+    case Inputs::prequantized_int8: return "prequantized_int8";
+  }
+  return "?";
 }
 
 }  // namespace sage

@@ -42,6 +42,24 @@ std::vector<const Recipe*> resolve_candidates(const std::vector<std::string>& na
   return out;
 }
 
+// A non-finite sample makes every candidate's score meaningless (a cosine of NaN, or one
+// against the float64 reference's own NaN rows), so the layer is refused rather than given a
+// choice. The error names the first such element as [batch, head, token, channel].
+void require_finite(const TensorView& t, const char* name, Layout layout) {
+  const reference::Dims4 d = reference::dims_of(t, layout);
+  const std::vector<float> values = reference::read_bhnd_f32(t, layout);
+  const auto bad =
+      std::find_if(values.begin(), values.end(), [](float x) { return !std::isfinite(x); });
+  if (bad == values.end()) return;
+  const int64_t i = bad - values.begin();
+  const int64_t index[4] = {i / (d.d * d.n * d.h), i / (d.d * d.n) % d.h, i / d.d % d.n, i % d.d};
+  std::string at;
+  for (int64_t x : index) at += (at.empty() ? "" : ", ") + std::to_string(x);
+  throw Error(name, std::string("holds ") + (std::isnan(*bad) ? "NaN" : "Inf") +
+                        " at [batch, head, token, channel] = [" + at +
+                        "]; calibration scores finite attention, so every sample must be finite");
+}
+
 }  // namespace
 
 std::vector<std::string> default_candidates() {
@@ -114,6 +132,9 @@ Calibration calibrate(const std::vector<LayerSamples>& layers, const SpeedTable&
         shape_only = check_args(probe, DeviceKind::cpu);
       }
       p = shape_only;
+      require_finite(s.q, "q", options.layout);
+      require_finite(s.k, "k", options.layout);
+      require_finite(s.v, "v", options.layout);
       exact_buf.resize(static_cast<size_t>(p.batch * p.heads_q * p.n_q * p.head_dim));
       sim_buf.resize(exact_buf.size());
       args.out = dense_out(exact_buf.data(), DType::f64, p, options.layout);

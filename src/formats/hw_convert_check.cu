@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "common/cuda_status.h"
 #include "sage/error.h"
 #include "numerics/formats.h"
 
@@ -179,8 +180,7 @@ bool hw_convert_check_supported(std::string* why) {
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0) {
     if (why)
-      *why = std::string("no CUDA GPU is available (") +
-             (err != cudaSuccess ? cudaGetErrorString(err) : "cudaGetDeviceCount returned 0") + ")";
+      *why = err != cudaSuccess ? cuda_unavailable_reason(err) : "no CUDA device is present";
     cudaGetLastError();  // do not leave a sticky error for the next test
     return false;
   }

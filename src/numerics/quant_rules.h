@@ -118,6 +118,15 @@ inline float pv_format_max(PVFormat f) {
   }
   return 0.f;
 }
+// The ranges validate_recipe allows (recipe.h says why): p_range / v_range are 0 (the
+// format's default) or in [kMinRange, pv_format_max]; with fp16x2_fp32 accumulation the
+// product of the P and V ranges in use is at most 65504 / 64, so that one FP16 accumulation
+// (two k32 steps, 64 products) stays finite.
+constexpr float kMinRange = 1.f;
+constexpr double kFp16x2MaxRangeProduct = 65504.0 / 64.0;
+// K smoothing's stride: from 2^20 up every stride takes key 0 alone for any sequence the
+// kernels are run on, and the GPU's launch arithmetic on the stride stays far from overflow.
+constexpr int kMaxKMeanStride = 1 << 20;
 // The static P scale a recipe gets without p_range: the format max, except E4M3's 256 (not
 // the paper's 448). A power of two quantizes P~ on the same relative grid as 448 (equally
 // accurate on the simulator: docs/performance.md, next steps 4) and, with the integer row max,

@@ -196,6 +196,21 @@ TEST_F(ArgsTest, EmptyProblemsAreValid) {
   EXPECT_EQ(p.n_kv, 7);
 }
 
+// NumPy gives an empty array zero strides; no element is addressed, so the head_dim rule
+// must not apply (before, sagekit.simulate on N = 0 NumPy arrays named q's head_dim stride).
+TEST_F(ArgsTest, EmptyViewsWithZeroStridesAreValid) {
+  for (Layout layout : {Layout::HND, Layout::NHD}) {
+    Shape s;
+    s.n_q = s.n_kv = 0;
+    AttentionArgs a = make(s, layout);
+    for (TensorView* t : {&a.q, &a.k, &a.v, &a.out})
+      for (int i = 0; i < 4; ++i) t->strides[i] = 0;
+    const Problem p = check_args(a, kCpu);
+    EXPECT_EQ(p.n_q, 0);
+    EXPECT_EQ(p.n_kv, 0);
+  }
+}
+
 TEST_F(ArgsTest, CpuAcceptsF32InputsAndWideOutputs) {
   AttentionArgs a = make({}, Layout::HND, DType::f32);
   EXPECT_NO_THROW(check_args(a, kCpu));

@@ -322,6 +322,26 @@ TEST(Calibrate, ArgumentErrors) {
   for (const std::string& n : default_candidates()) EXPECT_NE(n, "int_flash");
 }
 
+// A layer whose samples hold NaN or Inf used to get a recipe, scored with cosine 0 or NaN; it
+// is refused, naming the layer, the tensor and the first non-finite element.
+TEST(Calibrate, NonFiniteSamplesAreRefusedByName) {
+  reference::SyntheticShape s = layer_shape();
+  s.batch = 1;
+  s.n_q = s.n_kv = 32;
+  CalibrationOptions o;
+  o.candidates = {"sage2_8b"};
+  const uint16_t nan = 0x7E00, inf = 0x7C00;  // fp16
+  auto in = reference::make_synthetic("normal", s, 1);
+  in.q[5 * 64 + 3] = nan;  // head 0, token 5, channel 3
+  expect_error([&] { calibrate({samples_of(in)}, {}, o); }, "layers",
+               {"layer 0: q: holds NaN at [batch, head, token, channel] = [0, 0, 5, 3]", "finite"});
+  in = reference::make_synthetic("normal", s, 1);
+  in.v[(32 + 1) * 64] = inf;  // head 1, token 1, channel 0
+  const auto good = reference::make_synthetic("normal", s, 2);
+  expect_error([&] { calibrate({samples_of(good), samples_of(in)}, {}, o); }, "layers",
+               {"layer 1: v: holds Inf at [batch, head, token, channel] = [0, 1, 1, 0]"});
+}
+
 // ---- the choice file --------------------------------------------------------------------------
 
 TEST(Calibrate, ChoiceFileRoundTrip) {

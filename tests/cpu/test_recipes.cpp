@@ -2,6 +2,9 @@
 // reported under the name of the option that causes it.
 #include <gtest/gtest.h>
 
+#include <climits>
+#include <cmath>
+#include <limits>
 #include <set>
 #include <string>
 
@@ -116,14 +119,16 @@ TEST(ValidateRecipe, Fp16QKMustBePerTensor) {
   EXPECT_NO_THROW(validate_recipe(r));
 }
 
-TEST(ValidateRecipe, KMeanStrideIsAtLeastOne) {
+TEST(ValidateRecipe, KMeanStrideIsFromOneTo2Pow20) {
   Recipe r = base();
-  for (int stride : {0, -8}) {
+  for (int stride : {0, -8, (1 << 20) + 1, INT32_MAX}) {
     r.k_mean_stride = stride;
-    EXPECT_INVALID(r, "recipe.k_mean_stride", ">= 1");
+    EXPECT_INVALID(r, "recipe.k_mean_stride", "from 1 (every key) to 1048576");
   }
-  r.k_mean_stride = 1;
-  EXPECT_NO_THROW(validate_recipe(r));
+  for (int stride : {1, 1 << 20}) {
+    r.k_mean_stride = stride;
+    EXPECT_NO_THROW(validate_recipe(r)) << stride;
+  }
   // A parameter of K smoothing, inert without it: turning smoothing off in a preset with a
   // stride is a valid recipe (the Python parsers refuse only a stride given with it).
   r.k_mean_stride = 8;
@@ -188,22 +193,90 @@ TEST(ValidateRecipe, Fp16AccumulatorNeedsFp16PV) {
   EXPECT_INVALID(r, "recipe.pv_accum", "pv_format fp16");
 }
 
-TEST(ValidateRecipe, NegativeRanges) {
-  Recipe r = base();
-  r.p_range = -1.f;
-  EXPECT_INVALID(r, "recipe.p_range", ">= 0");
+// The cases: p_range 1e40 (inf as a float) returned zeros, 1000 a max error of 0.71,
+// 1e-45 and v_range 1e40 NaN; all validated before.
+TEST(ValidateRecipe, RangesOutsideTheFormatAreRefused) {
+  const float inf = std::numeric_limits<float>::infinity();
+  for (float bad : {1e38f, 1000.f, 448.5f, 1e-45f, 0.5f, -1.f, inf, std::nanf("")}) {
+    Recipe r = base();  // E4M3 P and V: 1 .. 448
+    r.p_range = bad;
+    EXPECT_INVALID(r, "recipe.p_range", "from 1 to 448, the largest value of pv_format e4m3");
+    r = base();
+    r.v_range = bad;
+    EXPECT_INVALID(r, "recipe.v_range", "from 1 to 448");
+  }
+  Recipe r = preset("sage1_vb");  // INT8 P and V: 1 .. 127
+  r.p_range = 128.f;
+  EXPECT_INVALID(r, "recipe.p_range", "from 1 to 127, the largest value of pv_format int8");
+  r.p_range = 0.f;
+  r.v_range = 200.f;
+  EXPECT_INVALID(r, "recipe.v_range", "from 1 to 127");
   r = base();
-  r.v_range = -0.5f;
-  EXPECT_INVALID(r, "recipe.p_range", ">= 0");
+  r.pv_format = PVFormat::e5m2;  // E5M2: 1 .. 57344
+  r.p_range = 60000.f;
+  EXPECT_INVALID(r, "recipe.p_range", "from 1 to 57344");
+}
+
+TEST(ValidateRecipe, RangesInsideTheFormatAreAccepted) {
+  for (float good : {0.f, 1.f, 64.f, 256.f, 448.f}) {
+    Recipe r = base();
+    r.p_range = good;
+    r.v_range = good;
+    EXPECT_NO_THROW(validate_recipe(r)) << good;
+  }
+  Recipe r = preset("sage1_vb");
+  r.p_range = r.v_range = 127.f;
+  EXPECT_NO_THROW(validate_recipe(r));
+}
+
+// SageAttention2++'s FP16 accumulator: 64 products of at most p_range * v_range must fit 65504.
+TEST(ValidateRecipe, Fp16x2AccumulationBoundsTheRangeProduct) {
+  Recipe r = preset("sage2pp_8b");  // 112 * 4.5 = 504
+  EXPECT_NO_THROW(validate_recipe(r));
+  r.p_range = 448.f;  // 448 * 4.5 = 2016
+  EXPECT_INVALID(r, "recipe.p_range", "at most 1023.5 with pv_accum fp16x2_fp32");
+  r = preset("sage2pp_8b");
+  r.p_range = r.v_range = 0.f;  // the defaults, 256 * 448
+  EXPECT_INVALID(r, "recipe.p_range", "p_range 0 (the format's default, 256) and v_range 0");
+  r.p_range = 1.f;
+  r.v_range = 448.f;  // 448: exactly within
+  EXPECT_NO_THROW(validate_recipe(r));
 }
 
 TEST(ValidateRecipe, NarrowedRangesNeedFp8OrInt8PV) {
   Recipe r = preset("sage1_b");  // fp16 PV
   r.p_range = 100.f;
-  EXPECT_INVALID(r, "recipe.p_range", "fp8/int8");
+  EXPECT_INVALID(r, "recipe.p_range", "fp8/int8 P only");
   r = preset("sage3_fp4");
   r.v_range = 2.f;
-  EXPECT_INVALID(r, "recipe.p_range", "fp8/int8");
+  EXPECT_INVALID(r, "recipe.v_range", "fp8/int8 V only");
+}
+
+// Enum fields holding no enumerator (a cast from an int) are refused under their own names;
+// before, static_cast<PVAccum>(42) passed validation.
+TEST(ValidateRecipe, EnumValuesOutsideTheEnumAreRefused) {
+  const auto expect_refused = [](auto set, const std::string& option, const std::string& values) {
+    Recipe r = base();
+    set(r);
+    EXPECT_INVALID(r, "recipe." + option, "is not one of " + values + " (got the code 42)");
+  };
+  expect_refused([](Recipe& r) { r.qk_format = static_cast<QKFormat>(42); }, "qk_format",
+                 "fp16, int8, int4, e4m3, nvfp4, mxfp4");
+  expect_refused([](Recipe& r) { r.qk_granularity = static_cast<Granularity>(42); },
+                 "qk_granularity",
+                 "per_tensor, per_block, per_warp, per_thread, per_token, microscale");
+  expect_refused([](Recipe& r) { r.pv_format = static_cast<PVFormat>(42); }, "pv_format",
+                 "fp16, e4m3, e5m2, int8, nvfp4, mxfp4");
+  expect_refused([](Recipe& r) { r.p_scale = static_cast<PScale>(42); }, "p_scale",
+                 "none, static, two_level");
+  expect_refused([](Recipe& r) { r.v_scale = static_cast<VScale>(42); }, "v_scale",
+                 "none, per_channel, per_tensor, microscale");
+  expect_refused([](Recipe& r) { r.pv_accum = static_cast<PVAccum>(42); }, "pv_accum",
+                 "fp32, fp16, fp22, two_level, fp16x2_fp32");
+  expect_refused([](Recipe& r) { r.row_sum = static_cast<RowSum>(42); }, "row_sum",
+                 "float_p, quantized_p, pv_mma");
+  expect_refused([](Recipe& r) { r.inputs = static_cast<Inputs>(42); }, "inputs",
+                 "floating, prequantized_int8");
 }
 
 TEST(ValidateRecipe, PrequantizedInputsNeedIntFlashOptions) {
@@ -236,6 +309,7 @@ TEST(Recipes, ToStringCoversEveryValue) {
     EXPECT_STRNE(to_string(v), "?");
   EXPECT_STREQ(to_string(RowSum::quantized_p), "quantized_p");
   EXPECT_STREQ(to_string(Inputs::prequantized_int8), "prequantized_int8");
+  EXPECT_STREQ(to_string(static_cast<Inputs>(7)), "?");
 }
 
 }  // namespace

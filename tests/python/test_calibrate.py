@@ -50,3 +50,37 @@ def test_errors_name_the_argument():
         sagekit.calibrate([_layer(rng, 0.0)], [], recipes=["int_flash"])
     with pytest.raises(ValueError, match="layers"):
         sagekit.calibrate([(1, 2)], [])
+
+
+def test_float32_samples_are_rounded_like_the_cli():
+    # `sage calibrate` rounds float32 .npy files to float16; sagekit.calibrate used to refuse
+    # float32 arrays instead. Both now score the float16 values the kernels would be given.
+    rng = np.random.default_rng(3)
+    layer = _layer(rng, 0.0)
+    speeds = [dict(recipe="sage2_8b", d=64, causal=False, n=128, tops=500.0)]
+    f16 = sagekit.calibrate([layer], speeds, recipes=["sage2_8b"])
+    f32 = sagekit.calibrate([tuple(x.astype(np.float32) for x in layer)], speeds,
+                            recipes=["sage2_8b"])
+    assert f32 == f16
+
+
+@pytest.mark.parametrize("tensor, value, word", [(0, np.nan, "NaN"), (2, np.inf, "Inf")])
+def test_non_finite_samples_are_refused_by_name(tensor, value, word):
+    # A layer holding NaN/Inf used to get a recipe with cosine 0 or None.
+    rng = np.random.default_rng(4)
+    layer = list(_layer(rng, 0.0))
+    layer[tensor] = layer[tensor].copy()
+    layer[tensor][1, 0, 7, 5] = value
+    with pytest.raises(sagekit.ArgumentError) as info:
+        sagekit.calibrate([_layer(rng, 0.0), tuple(layer)], [], recipes=["sage2_8b"])
+    assert info.value.argument == "layers"
+    name = "qkv"[tensor]
+    where = "[batch, head, token, channel] = [1, 0, 7, 5]"
+    assert f"layer 1: {name}: holds {word} at {where}" in str(info.value)
+
+
+def test_scale_errors_name_scale():
+    rng = np.random.default_rng(5)
+    with pytest.raises(sagekit.ArgumentError) as info:
+        sagekit.calibrate([_layer(rng, 0.0)], [], recipes=["sage2_8b"], scale=0)
+    assert info.value.argument == "scale"

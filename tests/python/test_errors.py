@@ -42,8 +42,21 @@ def test_wrapper_argument_errors(fn, qkv):
     check("layout", fn, q, k, v, layout="BHSD")
     check("is_causal", fn, q, k, v, is_causal=1)
     check("scale", fn, q, k, v, scale="big")
-    check("sm_scale", fn, q, k, v, scale=0.0)
-    check("sm_scale", fn, q, k, v, scale=float("nan"))
+    # The caller's argument is `scale`; the library's own name (sm_scale) must not leak out.
+    check("scale", fn, q, k, v, scale=0.0)
+    check("scale", fn, q, k, v, scale=float("nan"))
+    check("scale", fn, q, k, v, scale=-1)
+
+
+@pytest.mark.parametrize("layout, shape", [("HND", (1, 2, 0, 64)), ("NHD", (1, 0, 2, 64)),
+                                           ("HND", (0, 2, 5, 64))])
+def test_empty_numpy_arrays_are_accepted(layout, shape):
+    # NumPy gives empty arrays zero strides; before, the head_dim stride rule refused them.
+    a = np.zeros(shape, np.float16)
+    assert a.strides == (0, 0, 0, 0)
+    for fn in (sagekit.simulate, sagekit.exact):
+        out, lse = fn(a, a, a, layout=layout, return_lse=True)
+        assert out.shape == shape and lse.size == 0
 
 
 def test_recipe_errors_through_simulate(qkv):

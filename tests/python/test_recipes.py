@@ -96,6 +96,18 @@ def test_recipe_key_is_parsed_by_the_library():
     ("sage2_8b,pv_accum=fp32,pv_accum=fp16", "recipe.pv_accum"),
     ("sage2_8b,sage1_b", "recipe"),
     (42, "recipe"),
+    # A bare option name lacks its value; it used to read as a second base ("gives base twice").
+    ("sage2_8b,pv_accum", "recipe.pv_accum"),
+    ("pv_accum", "recipe.pv_accum"),
+    # Numeric ranges (validate_recipe): the values, refused under the option's name.
+    ("sage2_8b,p_range=1e40", "recipe.p_range"),
+    ("sage2_8b,p_range=1000", "recipe.p_range"),
+    ("sage2_8b,p_range=1e-45", "recipe.p_range"),
+    ("sage2_8b,v_range=1e40", "recipe.v_range"),
+    ({"base": "sage2_8b", "v_range": 500.0}, "recipe.v_range"),
+    ({"base": "sage1_vb", "p_range": 128}, "recipe.p_range"),
+    ({"base": "sage2pp_8b", "p_range": 448}, "recipe.p_range"),  # 64 * 448 * 4.5 > 65504
+    ({"base": "sage2_8b", "k_mean_stride": 2 ** 20 + 1}, "recipe.k_mean_stride"),
 ])
 def test_recipe_errors_name_the_option(spec, argument):
     with pytest.raises(ValueError) as info:
@@ -104,6 +116,28 @@ def test_recipe_errors_name_the_option(spec, argument):
     assert isinstance(err, sagekit.ArgumentError)
     assert err.argument == argument
     assert str(err).startswith(argument + ":"), str(err)
+
+
+def test_range_errors_say_the_range_and_the_value():
+    with pytest.raises(sagekit.ArgumentError) as info:
+        sagekit.recipe("sage2_8b", p_range=1000)
+    assert "from 1 to 448" in str(info.value) and "(got 1000)" in str(info.value)
+    with pytest.raises(sagekit.ArgumentError) as info:
+        sagekit.recipe("sage2_8b,pv_accum")
+    assert "pv_accum=VALUE" in str(info.value) and "twice" not in str(info.value)
+    assert sagekit.recipe("sage2_8b", p_range=448, v_range=1)["p_range"] == 448.0
+
+
+def test_python_md_recipe_example_is_current():
+    # docs/python.md shows a recipe summary; it must be what the library prints today.
+    import pathlib
+    import re
+
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "python.md").read_text()
+    m = re.search(r'>>> (sagekit\.recipe\("sage2_8b", qk_granularity="per_block"\)\["summary"\])\n'
+                  r"'(.*)'\n", doc)
+    assert m, "docs/python.md lost its recipe summary example"
+    assert m.group(2) == sagekit.recipe("sage2_8b", qk_granularity="per_block")["summary"]
 
 
 def test_unknown_preset_error_lists_the_presets():
