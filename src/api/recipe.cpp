@@ -5,7 +5,7 @@
 #include <sstream>
 
 #include "sage/error.h"
-#include "sage/quant_rules.h"
+#include "numerics/quant_rules.h"
 
 namespace sage {
 namespace {

@@ -1,4 +1,4 @@
-// Compares the GPU's conversion instructions with the encoders of sage/formats.h, bit for bit.
+// Compares the GPU's conversion instructions with the encoders of numerics/formats.h, bit for bit.
 //
 // The CPU simulator is only as faithful as sage::fmt is to the hardware, and the PTX manual
 // leaves corner cases (NaN codes, saturation of infinities) to the implementation. This check

@@ -1,5 +1,5 @@
-// Exhaustive tests of the bit-exact encoders in sage/formats.h and the rounding rules in
-// sage/quant_rules.h.
+// Exhaustive tests of the bit-exact encoders in numerics/formats.h and the rounding rules in
+// numerics/quant_rules.h.
 //
 // Every expectation comes from a second, independent model of the format: values are built
 // from the bit fields with std::ldexp in double, and encoding is a brute-force search for the
