@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "accuracy.h"
+#include "check_backward.h"
 #include "common.h"
 #include "gpu.h"
 #include "recipe_text.h"
@@ -122,7 +123,11 @@ int run_check(const std::vector<std::string>& args) {
        {"row-sum", "float_p|quantized_p|pv_mma", "what the softmax denominator sums, instead "
                                                  "of the preset's choice"},
        {"k-mean-stride", "S", "take K smoothing's mean over every S-th key (1: every key), "
-                              "instead of the preset's stride (recipes that smooth K)"}},
+                              "instead of the preset's stride (recipes that smooth K)"},
+       {"backward", "", "the gradients dQ, dK, dV instead of the output (CPU; the recipes with "
+                        "a backward: sagebwd)"},
+       {"dp-format", "fp16|int8", "with --backward: dP = dO V^T in this format instead of the "
+                                  "preset's (int8: SageBwd's ablation)"}},
       args);
   if (flags.help()) {
     flags.print_help(std::cout);
@@ -144,6 +149,14 @@ int run_check(const std::vector<std::string>& args) {
   const std::string json = flags.str("json", "");
   if (flags.has("json") && json.empty()) throw UsageError("sage check: --json needs a file name");
   const std::string device_flag = flags.choice("device", "auto", {"auto", "cpu", "gpu"});
+  if (flags.has("backward")) {
+    if (device_flag == "gpu")
+      throw UsageError("sage check: --backward runs on the CPU (no GPU backward exists yet)");
+    for (const char* f : {"p-range", "row-sum", "k-mean-stride"})
+      if (flags.has(f)) throw UsageError(std::string("sage check: --") + f + " does not apply with --backward");
+    return run_check_backward(flags, shape, json);
+  }
+  if (flags.has("dp-format")) throw UsageError("sage check: --dp-format applies with --backward only");
   // Recipe options changed for every checked preset (experiments: is another P range or
   // row sum as accurate?). The table names the change next to the preset.
   const int64_t p_range = flags.has("p-range") ? flags.integer("p-range", 0, 1, 65504) : 0;

@@ -109,12 +109,17 @@ std::string pv_words(const Recipe& r) {
     case PScale::two_level:
       os << "; P gets a per-row scale to 448 x 6 first, then FP4 microscaling (two levels)";
       break;
+    case PScale::per_token:
+      os << "; P gets one scale per row and KV tile from the online softmax's own maxima "
+            "(its largest value maps to 127)";
+      break;
   }
   switch (r.v_scale) {
     case VScale::none: break;
     case VScale::per_channel: os << "; V has one scale per channel over all tokens"; break;
     case VScale::per_tensor: os << "; V has one scale per (batch, head)"; break;
     case VScale::microscale: os << "; V is microscaled along tokens"; break;
+    case VScale::per_block: os << "; V has one scale per KV tile of tokens"; break;
   }
   if (r.v_range > 0) {
     std::ostringstream vr;
@@ -140,6 +145,24 @@ std::string accum_words(const Recipe& r) {
       return "Two FP8 MMAs accumulate in fp16, then their sum is added into fp32.";
   }
   return "";
+}
+
+// The backward's matmuls in words (recipes with a backward: sagebwd).
+std::string backward_words(const Recipe& r) {
+  auto fmt = [](BwdFormat f) { return f == BwdFormat::int8 ? "INT8" : "16 bits"; };
+  auto per = [](Granularity g, const char* token) {
+    return g == Granularity::per_token ? std::string(" (one scale per ") + token + ")"
+                                       : std::string(" (one scale per backward tile)");
+  };
+  std::ostringstream os;
+  os << "dV = P^T dO in " << fmt(r.dv_format);
+  if (r.dv_format == BwdFormat::int8) os << per(r.bwd_p_granularity, "key of P's tile");
+  os << ", dP = dO V^T in " << fmt(r.dp_format) << ", dQ = dS K in " << fmt(r.dq_format)
+     << ", dK = dS^T Q in " << fmt(r.dk_format);
+  if (r.dq_format == BwdFormat::int8 || r.dk_format == BwdFormat::int8)
+    os << per(r.bwd_ds_granularity, "output token of dS's tile");
+  os << "; docs/numerics.md, \"The backward\".";
+  return os.str();
 }
 
 // ---- GPU speed from bench result files ----------------------------------------------------
@@ -428,7 +451,9 @@ int run_docs(const std::vector<std::string>& args) {
                ? "already-quantized INT8 Q, K, V with f32 scales (Q, K per token; V per tensor or "
                  "per channel)."
                : "fp16 or bf16 Q, K, V, quantized by the library.")
-       << "\n\n";
+       << "\n";
+    if (has_backward(r)) os << "- Backward: " << backward_words(r) << "\n";
+    os << "\n";
     Table t({"distribution", "cosine", "rel L1"}, {false, true, true});
     for (size_t j = 0; j < dists.size(); ++j)
       t.add({dists[j], fixed(error[i][j].cosine, 6), fixed(error[i][j].rel_l1, 4)});

@@ -49,6 +49,9 @@ enum class PScale : uint8_t {
   none,       // fp16 P
   static_max, // P~ in [0,1] times a static factor: p_range when set, else the format max (E4M3: 256)
   two_level,  // SageAttention3: per-row scale to 448*6 first, then microscaling
+  // SageBwd: one scale per row and KV tile from the online softmax's own maxima,
+  // s_P = exp(rowmax_tile(S) - m) / 127 (int8 P only)
+  per_token,
 };
 
 // Granularity of the V scale.
@@ -57,6 +60,7 @@ enum class VScale : uint8_t {
   per_channel,  // one scale per head_dim channel over all tokens
   per_tensor,   // one scale per (batch, head)
   microscale,   // FP4 block scaling along tokens
+  per_block,    // SageBwd: one scale per KV tile of tokens over all channels (int8 V only)
 };
 
 // How the PV products are accumulated.
@@ -80,6 +84,14 @@ enum class RowSum : uint8_t {
 
 // Whether the caller passes fp16/bf16 tensors or already-quantized INT8 ones with scales.
 enum class Inputs : uint8_t { floating, prequantized_int8 };
+
+// Operands of one matmul of the backward pass (training; docs/numerics.md, "The backward").
+// A recipe has a backward when all four of its backward formats are set, and none otherwise.
+enum class BwdFormat : uint8_t {
+  none,  // the recipe has no backward (every preset but sagebwd)
+  fp16,  // 16-bit floats in the inputs' dtype (fp16, bf16; f32 inputs: fp16), fp32 accumulation
+  int8,  // symmetric INT8 with int32 accumulation; scale groups: backward.h, bwd_*_granularity
+};
 
 struct Recipe {
   std::string name = "custom";
@@ -113,6 +125,19 @@ struct Recipe {
   float v_range = 0.f;
   RowSum row_sum = RowSum::pv_mma;  // the float sum wherever the PV path has no MMA row sum
   Inputs inputs = Inputs::floating;
+  // The backward (SageBwd). A forward call ignores these; QK^T is recomputed from the
+  // forward's own quantized Q and K, so it has no format of its own.
+  BwdFormat dv_format = BwdFormat::none;  // dV = P^T dO
+  BwdFormat dp_format = BwdFormat::none;  // dP = dO V^T (fp16 in SageBwd: its error reaches dQ, dK)
+  BwdFormat dq_format = BwdFormat::none;  // dQ = dS K
+  BwdFormat dk_format = BwdFormat::none;  // dK = dS^T Q
+  // Which tokens share one scale where the backward quantizes P (for dV = P^T dO) and dS
+  // (for dQ = dS K, dK = dS^T Q) to INT8: per_block, one per backward tile (the paper's), or
+  // per_token, one per token the matmul's output row belongs to (P and dS for dK: per key of
+  // the tile; dS for dQ: per query row of the tile, so dS is quantized twice). Either factors
+  // out of the INT8 MMA; per_token follows the tile's spread of magnitudes.
+  Granularity bwd_p_granularity = Granularity::per_block;
+  Granularity bwd_ds_granularity = Granularity::per_block;
 };
 
 // The papers' configurations.
@@ -122,6 +147,7 @@ struct Recipe {
 //   sage2pp_8b, sage2pp_4b                  SageAttention2++ (FP16-accumulated FP8 PV)
 //   sage3_fp4                               SageAttention3 (NVFP4, two-level P)
 //   int_flash, int_flash_q                  INT-FlashAttention (prequantized / fp16 inputs)
+//   sagebwd                                 SageBwd (INT8 forward and backward, dO V^T in FP16)
 const std::vector<Recipe>& presets();
 // Looks a preset up by name; throws sage::Error("recipe", ...) listing the names otherwise.
 const Recipe& preset(const std::string& name);
@@ -132,6 +158,11 @@ std::string recipe_summary(const Recipe& r);
 // field holding no enumerator's value, a number outside its range (p_range, v_range,
 // k_mean_stride above), or a combination of options that has no defined numerics.
 void validate_recipe(const Recipe& r);
+// Whether the recipe has a backward (its backward formats are set; validate_recipe checks them).
+bool has_backward(const Recipe& r);
+// The backward's rules, which validate_recipe applies to a recipe with a backward; throws
+// sage::Error("recipe.dv_format", ...) for a recipe without one (src/api/recipe_backward.cpp).
+void validate_backward(const Recipe& r);
 
 const char* to_string(QKFormat v);
 const char* to_string(Granularity v);
@@ -141,5 +172,6 @@ const char* to_string(VScale v);
 const char* to_string(PVAccum v);
 const char* to_string(RowSum v);
 const char* to_string(Inputs v);
+const char* to_string(BwdFormat v);
 
 }  // namespace sage

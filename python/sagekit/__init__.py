@@ -1,9 +1,10 @@
 """sagekit: quantized attention (the SageAttention family) from a C++/CUDA library.
 
-Works with NumPy alone (the CPU references: simulate, exact) and, when torch is
-installed, adds the GPU front end (sageattn, scaled_dot_product_attention, patch_sdpa)
-built on the custom ops in sagekit.ops (torch.ops.sagekit.*), and the same attention in two
-steps (quantize_kv once, then sageattn_quantized_kv any number of times).
+Works with NumPy alone (the CPU references: simulate, exact, and their gradients
+simulate_backward, exact_backward) and, when torch is installed, adds the GPU front end
+(sageattn, scaled_dot_product_attention, patch_sdpa) built on the custom ops in sagekit.ops
+(torch.ops.sagekit.*), and the same attention in two steps (quantize_kv once, then
+sageattn_quantized_kv any number of times).
 sagekit.compat has the reference SageAttention package's functions, with its signatures.
 """
 
@@ -11,7 +12,7 @@ from . import _C
 from ._C import ArgumentError, CudaError, gpu_available, gpu_head_dims, gpu_supports
 from ._recipes import presets, recipe
 from .calibration import calibrate, load_layer_choices
-from .reference import exact, simulate
+from .reference import exact, exact_backward, simulate, simulate_backward
 
 __version__ = _C.__version__
 cuda_built: bool = _C.cuda_built
@@ -47,7 +48,8 @@ else:
 
 __all__ = [
     "ArgumentError", "CudaError", "QuantizedKV", "SdpaPatch", "calibrate", "cuda_built", "exact",
+    "exact_backward",
     "gpu_available", "gpu_head_dims", "gpu_supports", "load_layer_choices", "ops", "patch_sdpa",
     "presets", "quantize_kv", "recipe", "sageattn", "sageattn_quantized_kv",
-    "scaled_dot_product_attention", "simulate",
+    "scaled_dot_product_attention", "simulate", "simulate_backward",
 ]

@@ -4,6 +4,8 @@
 rounding, encodings, accumulators), so it shows what a recipe does to your tensors on a
 machine without the GPU. `exact` is attention in float64. Both return float32 outputs of
 the same kind as their inputs (NumPy in, NumPy out; torch in, torch out).
+`simulate_backward` and `exact_backward` are the same pair for the gradients (training):
+the recipe's backward (sagebwd, docs/numerics.md "The backward") and float64 gradients.
 """
 
 import sys
@@ -135,3 +137,71 @@ def exact(q, k, v, is_causal: bool = False, scale: Optional[float] = None, layou
         recipe = "int_flash" if q_scale is not None else "sage2_8b"
     return _run(_C.exact, q, k, v, recipe, is_causal, scale, layout, return_lse,
                 q_scale, k_scale, v_scale)
+
+
+def _new_float32(kind: str, shape: Tuple[int, ...]):
+    if kind == "torch":
+        torch = _torch()
+        out = torch.empty(shape, dtype=torch.float32)
+        return out, dlpack_capsule(out)
+    import numpy as np
+
+    out = np.empty(shape, dtype=np.float32)
+    return out, out
+
+
+def _run_backward(fn, q, k, v, do, recipe, is_causal, scale, layout, return_forward):
+    layout = _layout(layout)
+    if not isinstance(is_causal, bool):
+        raise argument_error("is_causal", f"must be a bool (got {type(is_causal).__name__})")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise argument_error("scale", f"must be a float or None (got {type(scale).__name__})")
+    kind = "torch" if _is_torch(q) else "numpy" if _is_numpy(q) else None
+    if kind is None:
+        raise argument_error("q", "must be a NumPy array or a CPU torch tensor "
+                             f"(got {type(q).__name__})")
+    named = {"q": q, "k": k, "v": v, "do": do}
+    for name, x in named.items():
+        if not (_is_torch(x) if kind == "torch" else _is_numpy(x)):
+            raise argument_error(name, f"must be a {'torch tensor' if kind == 'torch' else 'NumPy array'} "
+                                 f"like q (got {type(x).__name__})")
+        if x.ndim != 4:
+            raise argument_error(name, f"must have 4 dimensions (layout {layout}) (got {x.ndim})")
+    q_shape = tuple(int(s) for s in q.shape)
+    kv_shape = tuple(int(s) for s in k.shape)
+    dq, dq_arg = _new_float32(kind, q_shape)
+    dk, dk_arg = _new_float32(kind, kv_shape)
+    dv, dv_arg = _new_float32(kind, kv_shape)
+    out = lse = out_arg = lse_arg = None
+    if return_forward:
+        out, out_arg = _new_float32(kind, q_shape)
+        lse, lse_arg = _new_float32(kind, _lse_shape(q_shape, layout))
+    conv = {n: _host_capsule(x, n) for n, x in named.items()} if kind == "torch" else named
+    fn(conv["q"], conv["k"], conv["v"], conv["do"], dq_arg, dk_arg, dv_arg, out_arg, lse_arg,
+       layout=layout, causal=is_causal, sm_scale=None if scale is None else float(scale),
+       recipe=recipe)
+    return (dq, dk, dv, out, lse) if return_forward else (dq, dk, dv)
+
+
+def simulate_backward(q, k, v, do, recipe: RecipeLike = "sagebwd", is_causal: bool = False,
+                      scale: Optional[float] = None, layout: str = "HND",
+                      return_forward: bool = False):
+    """The gradients of attention as the recipe's training kernels compute them, on the CPU.
+
+    q, k, v: NumPy arrays or CPU torch tensors, float16/bfloat16 (float32 allowed), as for
+    simulate; do: the gradient of the output, q's shape and dtype. recipe: one with a
+    backward ("sagebwd", or e.g. "sagebwd,dp_format=int8" for the paper's INT8-dP ablation).
+    Runs the recipe's forward (simulate's, bit for bit) and its backward, and returns float32
+    (dq, dk, dv) of q's, k's and v's shapes (dk, dv summed over the query heads that share a
+    K/V head); with return_forward=True also the forward's output and LSE.
+    """
+    return _run_backward(_C.simulate_backward, q, k, v, do, recipe, is_causal, scale, layout,
+                         return_forward)
+
+
+def exact_backward(q, k, v, do, is_causal: bool = False, scale: Optional[float] = None,
+                   layout: str = "HND", return_forward: bool = False):
+    """The gradients of attention in float64 on the CPU, returned as float32 (arguments as
+    simulate_backward, without a recipe)."""
+    return _run_backward(_C.exact_backward, q, k, v, do, "sage2_8b", is_causal, scale, layout,
+                         return_forward)

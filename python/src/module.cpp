@@ -19,6 +19,7 @@
 
 #include "recipes.h"
 #include "sage/attention.h"
+#include "sage/backward.h"
 #include "sage/calibrate.h"
 #include "sage/error.h"
 #include "views.h"
@@ -69,6 +70,39 @@ void require_host(const sage::AttentionArgs& a) {
   const std::pair<const sage::TensorView*, const char*> all[] = {
       {&a.q, "q"},     {&a.k, "k"},       {&a.v, "v"},       {&a.out, "out"},
       {&a.lse, "lse"}, {&a.q_scale, "q_scale"}, {&a.k_scale, "k_scale"}, {&a.v_scale, "v_scale"}};
+  for (const auto& [view, name] : all)
+    if (view->defined() && view->device.kind != sage::DeviceKind::cpu)
+      throw sage::Error(name, "must be in host memory for the CPU references (got " +
+                                  sage::device_name(view->device) + ")");
+}
+
+// The backward references' arguments, imported once; every view must be in host memory.
+struct BackwardCall {
+  ViewSet arrays;
+  sage::BackwardArgs args;
+};
+
+void fill_backward(BackwardCall& c, nb::handle q, nb::handle k, nb::handle v, nb::handle dout,
+                   nb::handle dq, nb::handle dk, nb::handle dv, nb::handle out, nb::handle lse,
+                   const std::string& layout, bool causal, std::optional<double> sm_scale,
+                   nb::handle recipe) {
+  sage::BackwardArgs& a = c.args;
+  a.layout = layout_of(layout);
+  a.causal = causal;
+  if (sm_scale) a.sm_scale = static_cast<float>(*sm_scale);
+  a.recipe = recipe_from(recipe);
+  a.q = c.arrays.input(q, "q");
+  a.k = c.arrays.input(k, "k");
+  a.v = c.arrays.input(v, "v");
+  a.dout = c.arrays.input(dout, "dout");
+  a.dq = c.arrays.output(dq, "dq");
+  a.dk = c.arrays.output(dk, "dk");
+  a.dv = c.arrays.output(dv, "dv");
+  a.out = c.arrays.output(out, "out");
+  a.lse = c.arrays.output(lse, "lse");
+  const std::pair<const sage::TensorView*, const char*> all[] = {
+      {&a.q, "q"},   {&a.k, "k"},   {&a.v, "v"},     {&a.dout, "dout"}, {&a.dq, "dq"},
+      {&a.dk, "dk"}, {&a.dv, "dv"}, {&a.out, "out"}, {&a.lse, "lse"}};
   for (const auto& [view, name] : all)
     if (view->defined() && view->device.kind != sage::DeviceKind::cpu)
       throw sage::Error(name, "must be in host memory for the CPU references (got " +
@@ -383,6 +417,40 @@ NB_MODULE(_C, m) {
                      "inputs); host arrays only. ") +
          common_doc)
             .c_str());
+
+  // The backward's CPU references share everything but the function they call.
+  auto host_backward = [](void (*reference)(const sage::BackwardArgs&)) {
+    return [reference](nb::handle q, nb::handle k, nb::handle v, nb::handle dout, nb::handle dq,
+                       nb::handle dk, nb::handle dv, nb::handle out, nb::handle lse,
+                       const std::string& layout, bool causal, std::optional<double> sm_scale,
+                       nb::handle recipe) {
+      BackwardCall c;
+      fill_backward(c, q, k, v, dout, dq, dk, dv, out, lse, layout, causal, sm_scale, recipe);
+      nb::gil_scoped_release unlocked;
+      reference(c.args);
+    };
+  };
+  const auto backward_doc =
+      "q, k, v, dout (dO, q's shape and dtype): host arrays as for simulate; dq, dk, dv: "
+      "arrays of q's, k's and v's shapes, written (dk, dv summed over the query heads of a "
+      "GQA group); out, lse: optional, written with the forward's output and natural-log LSE.";
+#define SAGEKIT_BACKWARD_KWARGS                                                                \
+  "q"_a.none(), "k"_a.none(), "v"_a.none(), "dout"_a.none(), "dq"_a.none(), "dk"_a.none(),    \
+      "dv"_a.none(), "out"_a.none() = nb::none(), "lse"_a.none() = nb::none(),                 \
+      "layout"_a = "HND", "causal"_a = false, "sm_scale"_a = nb::none(),                       \
+      "recipe"_a.none() = "sagebwd"
+  m.def("simulate_backward", host_backward(&sage::reference::simulate_backward),
+        SAGEKIT_BACKWARD_KWARGS,
+        (std::string("The recipe's forward and backward on the CPU as docs/numerics.md (\"The "
+                     "backward\") states them; the recipe must have a backward (sagebwd). ") +
+         backward_doc)
+            .c_str());
+  m.def("exact_backward", host_backward(&sage::reference::exact_backward), SAGEKIT_BACKWARD_KWARGS,
+        (std::string("The gradients of attention in float64 on the CPU (the recipe is not "
+                     "used). ") +
+         backward_doc)
+            .c_str());
+#undef SAGEKIT_BACKWARD_KWARGS
 
   m.def(
       "check_args",

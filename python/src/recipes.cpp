@@ -40,12 +40,13 @@ struct Values<sage::PVFormat> {
 template <>
 struct Values<sage::PScale> {
   static constexpr sage::PScale all[] = {sage::PScale::none, sage::PScale::static_max,
-                                         sage::PScale::two_level};
+                                         sage::PScale::two_level, sage::PScale::per_token};
 };
 template <>
 struct Values<sage::VScale> {
   static constexpr sage::VScale all[] = {sage::VScale::none, sage::VScale::per_channel,
-                                         sage::VScale::per_tensor, sage::VScale::microscale};
+                                         sage::VScale::per_tensor, sage::VScale::microscale,
+                                         sage::VScale::per_block};
 };
 template <>
 struct Values<sage::PVAccum> {
@@ -61,6 +62,11 @@ struct Values<sage::RowSum> {
 template <>
 struct Values<sage::Inputs> {
   static constexpr sage::Inputs all[] = {sage::Inputs::floating, sage::Inputs::prequantized_int8};
+};
+template <>
+struct Values<sage::BwdFormat> {
+  static constexpr sage::BwdFormat all[] = {sage::BwdFormat::none, sage::BwdFormat::fp16,
+                                            sage::BwdFormat::int8};
 };
 
 // A value as it arrives: from a dict it keeps its Python type, from a spec string it is text.
@@ -139,7 +145,9 @@ float parse_float(const std::string& key, const Value& v) {
 const char* const kOptions[] = {"qk_format", "qk_granularity", "smooth_k", "k_mean_stride",
                                 "smooth_q",  "smooth_v",       "pv_format", "p_scale",
                                 "v_scale",   "pv_accum",       "p_range",  "v_range",
-                                "row_sum",   "inputs"};
+                                "row_sum",   "inputs",         "dv_format", "dp_format",
+                                "dq_format", "dk_format",      "bwd_p_granularity",
+                                "bwd_ds_granularity"};
 
 // Sets one option; returns false for an unknown key.
 bool set_option(sage::Recipe& r, const std::string& key, const Value& v) {
@@ -157,8 +165,20 @@ bool set_option(sage::Recipe& r, const std::string& key, const Value& v) {
   else if (key == "v_range") r.v_range = parse_float(key, v);
   else if (key == "row_sum") r.row_sum = parse_enum<sage::RowSum>(key, v);
   else if (key == "inputs") r.inputs = parse_enum<sage::Inputs>(key, v);
+  else if (key == "dv_format") r.dv_format = parse_enum<sage::BwdFormat>(key, v);
+  else if (key == "dp_format") r.dp_format = parse_enum<sage::BwdFormat>(key, v);
+  else if (key == "dq_format") r.dq_format = parse_enum<sage::BwdFormat>(key, v);
+  else if (key == "dk_format") r.dk_format = parse_enum<sage::BwdFormat>(key, v);
+  else if (key == "bwd_p_granularity") r.bwd_p_granularity = parse_enum<sage::Granularity>(key, v);
+  else if (key == "bwd_ds_granularity") r.bwd_ds_granularity = parse_enum<sage::Granularity>(key, v);
   else return false;
   return true;
+}
+
+bool same_backward(const sage::Recipe& a, const sage::Recipe& b) {
+  return a.dv_format == b.dv_format && a.dp_format == b.dp_format && a.dq_format == b.dq_format &&
+         a.dk_format == b.dk_format && a.bwd_p_granularity == b.bwd_p_granularity &&
+         a.bwd_ds_granularity == b.bwd_ds_granularity;
 }
 
 bool same_options(const sage::Recipe& a, const sage::Recipe& b) {
@@ -167,7 +187,7 @@ bool same_options(const sage::Recipe& a, const sage::Recipe& b) {
          a.smooth_q == b.smooth_q && a.smooth_v == b.smooth_v && a.pv_format == b.pv_format &&
          a.p_scale == b.p_scale && a.v_scale == b.v_scale &&
          a.pv_accum == b.pv_accum && a.p_range == b.p_range && a.v_range == b.v_range &&
-         a.row_sum == b.row_sum && a.inputs == b.inputs;
+         a.row_sum == b.row_sum && a.inputs == b.inputs && same_backward(a, b);
 }
 
 std::string option_list() {
@@ -344,6 +364,12 @@ nb::dict recipe_to_dict(const sage::Recipe& r) {
   d["v_range"] = r.v_range;
   d["row_sum"] = sage::to_string(r.row_sum);
   d["inputs"] = sage::to_string(r.inputs);
+  d["dv_format"] = sage::to_string(r.dv_format);
+  d["dp_format"] = sage::to_string(r.dp_format);
+  d["dq_format"] = sage::to_string(r.dq_format);
+  d["dk_format"] = sage::to_string(r.dk_format);
+  d["bwd_p_granularity"] = sage::to_string(r.bwd_p_granularity);
+  d["bwd_ds_granularity"] = sage::to_string(r.bwd_ds_granularity);
   return d;
 }
 
@@ -357,7 +383,11 @@ std::string recipe_to_spec(const sage::Recipe& r) {
      << ",pv_format=" << sage::to_string(r.pv_format) << ",p_scale=" << sage::to_string(r.p_scale)
      << ",v_scale=" << sage::to_string(r.v_scale) << ",pv_accum=" << sage::to_string(r.pv_accum)
      << ",p_range=" << format_float(r.p_range) << ",v_range=" << format_float(r.v_range)
-     << ",row_sum=" << sage::to_string(r.row_sum) << ",inputs=" << sage::to_string(r.inputs);
+     << ",row_sum=" << sage::to_string(r.row_sum) << ",inputs=" << sage::to_string(r.inputs)
+     << ",dv_format=" << sage::to_string(r.dv_format) << ",dp_format=" << sage::to_string(r.dp_format)
+     << ",dq_format=" << sage::to_string(r.dq_format) << ",dk_format=" << sage::to_string(r.dk_format)
+     << ",bwd_p_granularity=" << sage::to_string(r.bwd_p_granularity)
+     << ",bwd_ds_granularity=" << sage::to_string(r.bwd_ds_granularity);
   return os.str();
 }
 

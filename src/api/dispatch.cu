@@ -99,7 +99,7 @@ KernelVariant check_gpu_recipe(const Recipe& r) {
   const std::string missing = gpu_variant(r, v);
   if (!missing.empty())
     throw Error("recipe", "'" + r.name + "' has no sm_90 kernel (the GPU path needs " + missing +
-                              "); every preset except sage3_fp4 runs on the GPU");
+                              "); every preset except sage3_fp4 and sagebwd runs on the GPU");
   return v;
 }
 

@@ -32,6 +32,23 @@ Recipe make(const char* name, QKFormat qf, Granularity qg, bool sk, bool sq, boo
   return r;
 }
 
+// SageBwd (the SageAttention3 paper's trainable INT8 attention): INT8 per-block Q, K, V with K
+// smoothing; P quantized per token from the online softmax's maxima; INT8 for every backward
+// matmul but dP = dO V^T, which stays 16-bit (docs/numerics.md, "The backward").
+Recipe sagebwd() {
+  Recipe r = make("sagebwd", QKFormat::int8, Granularity::per_block, true, false, false,
+                  PVFormat::int8, PScale::per_token, VScale::per_block, PVAccum::fp32);
+  r.dv_format = BwdFormat::int8;
+  r.dp_format = BwdFormat::fp16;
+  r.dq_format = BwdFormat::int8;
+  r.dk_format = BwdFormat::int8;
+  // P per key of the tile (docs/numerics.md, "The backward"): dV's error falls 5x from the
+  // paper's per-block scale on diffuse attention; dS keeps the paper's per-block scale.
+  r.bwd_p_granularity = Granularity::per_token;
+  r.bwd_ds_granularity = Granularity::per_block;
+  return r;
+}
+
 std::vector<Recipe> build_presets() {
   using G = Granularity;
   using Q = QKFormat;
@@ -83,6 +100,7 @@ std::vector<Recipe> build_presets() {
   v.push_back(make("int_flash_q", Q::int8, G::per_token, false, false, false, P::int8,
                    PScale::static_max, VScale::per_tensor, PVAccum::fp32, 0.f, 0.f,
                    RowSum::quantized_p, Inputs::floating));
+  v.push_back(sagebwd());
   return v;
 }
 
@@ -113,6 +131,7 @@ std::string recipe_paper(const Recipe& r) {
   if (n.rfind("sage2_", 0) == 0) return "SageAttention2 (ICML 2025)";
   if (n.rfind("sage3_", 0) == 0) return "SageAttention3";
   if (n.rfind("int_flash", 0) == 0) return "INT-FlashAttention";
+  if (n.rfind("sagebwd", 0) == 0) return "SageBwd (SageAttention3 paper)";
   return "custom";
 }
 
@@ -136,6 +155,14 @@ std::string recipe_summary(const Recipe& r) {
   if (r.row_sum == RowSum::quantized_p) os << "; row sum of quantized P";
   if (r.row_sum == RowSum::pv_mma) os << "; row sum from the PV MMA from d = 128";
   if (r.inputs == Inputs::prequantized_int8) os << "; prequantized INT8 inputs";
+  if (has_backward(r)) {
+    const bool ds8 = r.dq_format == BwdFormat::int8 || r.dk_format == BwdFormat::int8;
+    os << "; backward dV " << to_string(r.dv_format);
+    if (r.dv_format == BwdFormat::int8) os << " (P " << to_string(r.bwd_p_granularity) << ")";
+    os << ", dP " << to_string(r.dp_format) << ", dQ " << to_string(r.dq_format) << ", dK "
+       << to_string(r.dk_format);
+    if (ds8) os << " (dS " << to_string(r.bwd_ds_granularity) << ")";
+  }
   return os.str();
 }
 
@@ -176,6 +203,12 @@ void check_enums(const Recipe& r) {
   check_enum("pv_accum", r.pv_accum);
   check_enum("row_sum", r.row_sum);
   check_enum("inputs", r.inputs);
+  check_enum("dv_format", r.dv_format);
+  check_enum("dp_format", r.dp_format);
+  check_enum("dq_format", r.dq_format);
+  check_enum("dk_format", r.dk_format);
+  check_enum("bwd_p_granularity", r.bwd_p_granularity);
+  check_enum("bwd_ds_granularity", r.bwd_ds_granularity);
 }
 
 std::string number(float x) {
@@ -276,6 +309,16 @@ void validate_recipe(const Recipe& r) {
         r.pv_format == PVFormat::int8 && !r.smooth_k && !r.smooth_q && !r.smooth_v))
     throw Error("recipe.inputs",
                 "prequantized_int8 inputs need int8 per_token Q/K, int8 PV and no smoothing");
+  if (r.p_scale == PScale::per_token && r.pv_format != PVFormat::int8)
+    throw Error("recipe.p_scale", "per_token P scaling (SageBwd) is defined for int8 P only");
+  if (r.p_scale == PScale::per_token && r.p_range > 0)
+    throw Error("recipe.p_range", "p_range narrows a static P scale; per_token P takes none");
+  if (r.v_scale == VScale::per_block && r.pv_format != PVFormat::int8)
+    throw Error("recipe.v_scale", "per_block V (SageBwd) is defined for int8 V only");
+  if (r.v_scale == VScale::per_block && r.inputs == Inputs::prequantized_int8)
+    throw Error("recipe.v_scale", "prequantized_int8 inputs carry a V scale per tensor or per "
+                                  "channel, not per_block");
+  if (has_backward(r)) validate_backward(r);
 }
 
 const char* to_string(QKFormat v) {
@@ -316,6 +359,7 @@ const char* to_string(PScale v) {
     case PScale::none: return "none";
     case PScale::static_max: return "static";
     case PScale::two_level: return "two_level";
+    case PScale::per_token: return "per_token";
   }
   return "?";
 }
@@ -325,6 +369,7 @@ const char* to_string(VScale v) {
     case VScale::per_channel: return "per_channel";
     case VScale::per_tensor: return "per_tensor";
     case VScale::microscale: return "microscale";
+    case VScale::per_block: return "per_block";
   }
   return "?";
 }

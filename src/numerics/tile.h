@@ -102,4 +102,20 @@ SAGE_HD int64_t k_group_of(Granularity g, int64_t t, TileConfig tc) {
 // Q smoothing subtracts one mean per Q tile: the tile index of token t.
 SAGE_HD int64_t q_smooth_block_of(int64_t t, TileConfig tc) { return t / tc.block_q; }
 
+// The tiles of the backward, one function for every head dim (as tile_config is for the
+// forward). A Hopper backward in FlashAttention-3's style runs one CTA per K/V tile of
+// block_kv keys, looping over Q tiles of block_q rows; INT8 P, dO and dS take one scale per
+// such tile. block_kv is the forward's (tile_config(d).block_kv), so a per_block K or V scale
+// of the forward is one scale per backward K/V tile. block_q is one warpgroup's 64 rows at
+// every head dim (FlashAttention-3 takes 128 at d = 64): INT8 dK = dS^T Q sums over Q rows, so
+// each backward Q tile must lie inside one Q scale group, and the forward's per_block groups
+// (tile_config(d).block_q: 192 rows at d = 64, 128 at d = 128) are multiples of 64, not of 128.
+struct BackwardTileConfig {
+  int block_q;   // Q rows per backward tile
+  int block_kv;  // K/V tokens per backward tile (one CTA's)
+};
+constexpr BackwardTileConfig backward_tile_config(int head_dim) {
+  return BackwardTileConfig{64, tile_config(head_dim).block_kv};
+}
+
 }  // namespace sage

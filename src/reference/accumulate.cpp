@@ -1,6 +1,7 @@
 #include "reference/accumulate.h"
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 
 #include "reference/rounding.h"
@@ -84,7 +85,12 @@ void accumulate_tile(PVAccum accum, const PTile& p, const VOperand& v, int64_t j
           const int8_t* vt = v.int_codes.data() + (j0 + t) * d;
           for (int64_t c = 0; c < d; ++c) sc.ints[c] += pt * static_cast<int32_t>(vt[c]);
         }
-        for (int64_t c = 0; c < d; ++c) O[c] = O[c] * alpha + static_cast<float>(sc.ints[c]);
+        // Per-tile scales (SageBwd's per_token P and per_block V) enter with one fused
+        // multiply-add; static ones are applied at the output, so the factor is 1 there and
+        // the fma is the plain add (float(acc) is exact).
+        const float factor = p.row_scale * v.tile_scale(j0);
+        for (int64_t c = 0; c < d; ++c)
+          O[c] = std::fma(static_cast<float>(sc.ints[c]), factor, O[c] * alpha);
         return;
       }
       std::fill(acc, acc + d, 0.f);

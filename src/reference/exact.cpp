@@ -7,6 +7,7 @@
 #include "reference/parallel.h"
 #include "reference/tensor_io.h"
 #include "sage/attention.h"
+#include "sage/backward.h"
 
 namespace sage::reference {
 namespace {
@@ -30,7 +31,86 @@ void dequantize_inputs(const AttentionArgs& a, const Problem& p, std::vector<dou
         v[(x * p.n_kv + j) * d + c] *= v_per_channel ? vs[x * d + c] : vs[x];
 }
 
+// One query head's tensors for the exact backward, dense [tokens][d] in double.
+struct ExactHead {
+  const double *q, *k, *v, *dout;
+  int64_t nq, nkv, d;
+  bool causal;
+  double scale;
+};
+
+// Softmax attention of row i and its gradients: dq_i, and the row's share of dk and dv
+// (added). Writes out_i and lse_i. p is scratch of n_kv entries.
+void exact_backward_row(const ExactHead& h, int64_t i, double* out_i, double* lse_i, double* dq_i,
+                        double* dk, double* dv, std::vector<double>& p) {
+  const int64_t d = h.d;
+  const int64_t visible = h.causal ? std::min(h.nkv, std::max<int64_t>(0, i + h.nkv - h.nq + 1)) : h.nkv;
+  if (visible == 0) return;  // no key: out, dq stay 0, lse -inf, no share of dk, dv
+  const double* qi = h.q + i * d;
+  const double* doi = h.dout + i * d;
+  double m = -std::numeric_limits<double>::infinity();
+  for (int64_t j = 0; j < visible; ++j) {
+    double dot = 0;
+    for (int64_t c = 0; c < d; ++c) dot += qi[c] * h.k[j * d + c];
+    p[j] = h.scale * dot;
+    m = std::max(m, p[j]);
+  }
+  double l = 0;
+  for (int64_t j = 0; j < visible; ++j) l += (p[j] = std::exp(p[j] - m));
+  for (int64_t j = 0; j < visible; ++j) p[j] /= l;
+  for (int64_t j = 0; j < visible; ++j)
+    for (int64_t c = 0; c < d; ++c) out_i[c] += p[j] * h.v[j * d + c];
+  *lse_i = m + std::log(l);
+  double D = 0;  // dO_i . O_i
+  for (int64_t c = 0; c < d; ++c) D += doi[c] * out_i[c];
+  for (int64_t j = 0; j < visible; ++j) {
+    double dp = 0;
+    for (int64_t c = 0; c < d; ++c) dp += doi[c] * h.v[j * d + c];
+    const double ds = p[j] * (dp - D) * h.scale;  // the gradient of the unscaled dot q_i . k_j
+    for (int64_t c = 0; c < d; ++c) {
+      dq_i[c] += ds * h.k[j * d + c];
+      dk[j * d + c] += ds * qi[c];
+      dv[j * d + c] += p[j] * doi[c];
+    }
+  }
+}
+
 }  // namespace
+
+void exact_backward(const BackwardArgs& args) {
+  const Problem p = check_backward_args(args, DeviceKind::cpu);
+  const std::vector<double> q = read_bhnd_f64(args.q, args.layout);
+  const std::vector<double> k = read_bhnd_f64(args.k, args.layout);
+  const std::vector<double> v = read_bhnd_f64(args.v, args.layout);
+  const std::vector<double> dout = read_bhnd_f64(args.dout, args.layout);
+  const int64_t d = p.head_dim, nq = p.n_q, nkv = p.n_kv;
+  const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
+  const double scale = args.sm_scale ? static_cast<double>(*args.sm_scale)
+                                     : 1.0 / std::sqrt(static_cast<double>(d));
+  std::vector<double> out(q.size(), 0.0), dq(q.size(), 0.0), dk(k.size(), 0.0), dv(v.size(), 0.0);
+  std::vector<double> lse(static_cast<size_t>(p.batch * p.heads_q * nq),
+                          -std::numeric_limits<double>::infinity());
+  // One worker per KV head, over its query heads in turn: dK and dV sum over the group without
+  // two workers writing one element.
+  parallel_for(p.batch * p.heads_kv, [&](int64_t x) {
+    const int64_t b = x / p.heads_kv, hk = x % p.heads_kv;
+    std::vector<double> scratch(static_cast<size_t>(nkv));
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+      const int64_t bh = b * p.heads_q + h;
+      const ExactHead eh{q.data() + bh * nq * d, k.data() + x * nkv * d, v.data() + x * nkv * d,
+                         dout.data() + bh * nq * d, nq, nkv, d, args.causal, scale};
+      for (int64_t i = 0; i < nq; ++i)
+        exact_backward_row(eh, i, out.data() + (bh * nq + i) * d, lse.data() + bh * nq + i,
+                           dq.data() + (bh * nq + i) * d, dk.data() + x * nkv * d,
+                           dv.data() + x * nkv * d, scratch);
+    }
+  });
+  write_bhnd(args.dq, args.layout, dq.data());
+  write_bhnd(args.dk, args.layout, dk.data());
+  write_bhnd(args.dv, args.layout, dv.data());
+  if (args.out.defined()) write_bhnd(args.out, args.layout, out.data());
+  if (args.lse.defined()) write_flat(args.lse, lse.data());
+}
 
 void exact(const AttentionArgs& args) {
   const Problem p = check_args(args, DeviceKind::cpu);

@@ -11,13 +11,15 @@
 namespace sage::reference::sim {
 
 float softmax_enter_tile(RowState& st, const float* s2, int64_t count, float* p) {
-  float m_new = st.m;
-  for (int64_t j = 0; j < count; ++j) m_new = std::fmax(m_new, s2[j]);
+  float tile_max = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < count; ++j) tile_max = std::fmax(tile_max, s2[j]);
+  const float m_new = std::fmax(st.m, tile_max);
   // The first tile has nothing to rescale; exp2(-inf - m) would be 0 anyway, but stating it
   // keeps -inf - -inf (NaN) out when a row's logits are all -inf.
   const float alpha = st.seen ? std::exp2(st.m - m_new) : 0.f;
   for (int64_t j = 0; j < count; ++j) p[j] = std::exp2(s2[j] - m_new);
   st.m = m_new;
+  st.tile_max = tile_max;
   st.seen = true;
   return alpha;
 }
@@ -45,12 +47,13 @@ float softmax_enter_tile_integer_max(RowState& st, const int32_t* acc, const flo
   // mult >= 0, so max_g tmax_g is the tile's largest S2 = float(acc) * mult: m is
   // softmax_enter_tile's.
   float tmax[kKThreadGroups];
-  float m_new = st.m;
+  float tile_max = -std::numeric_limits<float>::infinity();
   for (int g = 0; g < kKThreadGroups; ++g) {
     tmax[g] = present[g] ? static_cast<float>(amax[g]) * gmult[g]
                          : -std::numeric_limits<float>::infinity();
-    m_new = std::fmax(m_new, tmax[g]);
+    tile_max = std::fmax(tile_max, tmax[g]);
   }
+  const float m_new = std::fmax(st.m, tile_max);
   const float alpha = st.seen ? std::exp2(st.m - m_new) : 0.f;  // as softmax_enter_tile
   // 3. The group's offset, two float subtractions (not fused): c = -2^24 mult exactly for
   // a group whose max is the row max; otherwise the rounding of c costs at most
@@ -77,6 +80,7 @@ float softmax_enter_tile_integer_max(RowState& st, const int32_t* acc, const flo
     ps[j] = std::exp2(folded[g] ? x : x + fold.k);
   }
   st.m = m_new;
+  st.tile_max = tile_max;
   st.seen = true;
   return alpha;
 }

@@ -14,6 +14,9 @@ struct RowState {
   float m = -std::numeric_limits<float>::infinity();
   float l = 0.f;
   bool seen = false;  // some unmasked key has been visited
+  // The largest base-2 logit of the tile entered last (before m takes it in): SageBwd's P
+  // scale exp2f(tile_max - m) comes from it, with no reduction of its own.
+  float tile_max = -std::numeric_limits<float>::infinity();
 };
 
 // Enters one tile whose first `count` logits are unmasked (masked keys lie past them and

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 
 #include "numerics/formats.h"
 #include "numerics/quant_rules.h"
@@ -48,7 +49,48 @@ float sum_in_order(const float* x, int64_t n) {
 }  // namespace
 
 
-VOperand quantize_v(const float* v, int64_t n, int64_t d, const Recipe& r) {
+namespace {
+
+// SageBwd's V: one scale per block of block_kv tokens over all channels (int8 only).
+void quantize_v_per_block(const float* v, int64_t n, int64_t d, const Recipe& r,
+                          int64_t block_kv, VOperand& op) {
+  if (block_kv <= 0) throw std::logic_error("quantize_v: per_block V needs the KV tile size");
+  const float target = rules::v_static_max(r);
+  op.block = block_kv;
+  op.block_scale.resize(static_cast<size_t>((n + block_kv - 1) / block_kv));
+  op.int_codes.resize(static_cast<size_t>(n * d));
+  for (int64_t t0 = 0; t0 < n; t0 += block_kv) {
+    const int64_t t1 = std::min(n, t0 + block_kv);
+    float amax = 0.f;
+    for (int64_t i = t0 * d; i < t1 * d; ++i) amax = std::max(amax, std::fabs(v[i]));
+    op.block_scale[t0 / block_kv] = rules::symmetric_scale(amax, target);
+    const float inv = rules::symmetric_inverse(amax, target);
+    for (int64_t i = t0 * d; i < t1 * d; ++i) {
+      const int32_t code = rules::round_clamp(v[i] * inv, rules::kInt8Max);
+      op.int_codes[i] = static_cast<int8_t>(code);
+      op.values[i] = static_cast<float>(code);
+    }
+  }
+}
+
+// SageBwd's P: per row and tile, the largest P~ (row_peak) maps to 127.
+void quantize_p_per_token(const float* p, int64_t count, float row_peak, PTile& out) {
+  const float fq = static_cast<float>(rules::kInt8Max);
+  const float inv = rules::symmetric_inverse(row_peak, fq);
+  out.row_scale = rules::symmetric_scale(row_peak, fq);
+  out.int_codes.resize(static_cast<size_t>(count));
+  for (int64_t j = 0; j < count; ++j) {
+    // The clamp acts when a P~ rounds above row_peak (the integer row max forms them apart).
+    const int32_t code = rules::round_clamp(p[j] * inv, rules::kInt8Max);
+    out.int_codes[j] = static_cast<int8_t>(code);
+    out.values[j] = static_cast<float>(code);
+  }
+  out.dequantized_sum = sum_in_order(out.values.data(), count) * out.row_scale;
+}
+
+}  // namespace
+
+VOperand quantize_v(const float* v, int64_t n, int64_t d, const Recipe& r, int64_t block_kv) {
   VOperand op;
   op.format = r.pv_format;
   op.n = n;
@@ -56,6 +98,10 @@ VOperand quantize_v(const float* v, int64_t n, int64_t d, const Recipe& r) {
   op.values.resize(static_cast<size_t>(n * d));
   if (r.pv_format == PVFormat::fp16) {
     for (int64_t i = 0; i < n * d; ++i) op.values[i] = fmt::round_fp16_satfinite(v[i]);
+    return op;
+  }
+  if (r.v_scale == VScale::per_block) {
+    quantize_v_per_block(v, n, d, r, block_kv, op);
     return op;
   }
   if (is_fp4(r.pv_format)) {
@@ -102,10 +148,15 @@ VOperand prequantized_v(const float* codes, int64_t n, int64_t d, const double* 
   return op;
 }
 
-void quantize_p(const Recipe& r, const float* p, int64_t count, PTile& out, const float* scaled) {
+void quantize_p(const Recipe& r, const float* p, int64_t count, PTile& out, const float* scaled,
+                float row_peak) {
   out.values.resize(static_cast<size_t>(count));
   out.row_scale = 1.f;
   float* q = out.values.data();
+  if (r.p_scale == PScale::per_token) {
+    quantize_p_per_token(p, count, row_peak, out);
+    return;
+  }
   if (r.pv_format == PVFormat::fp16) {
     for (int64_t j = 0; j < count; ++j) q[j] = fmt::round_fp16(p[j]);
     out.dequantized_sum = sum_in_order(q, count);

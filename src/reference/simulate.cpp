@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "reference/accumulate.h"
+#include "reference/forward.h"
 #include "reference/online_softmax.h"
 #include "reference/parallel.h"
 #include "reference/pv_quantize.h"
@@ -20,15 +21,9 @@
 namespace sage::reference {
 namespace {
 
-constexpr float kLn2 = 0.6931471805599453f;
+using sim::KVHead;
 
-// Everything the kernels prepare once per KV head before attention runs.
-struct KVHead {
-  sim::QKOperand k;
-  std::vector<float> k_mean;  // smooth_k: the subtracted mean (for the LSE), else empty
-  sim::VOperand v;
-  std::vector<float> v_mean;  // smooth_v: added back to the output, else empty
-};
+constexpr float kLn2 = 0.6931471805599453f;
 
 KVHead prepare_kv(float* k, float* v, const Problem& p, const Recipe& r, TileConfig tc) {
   KVHead h;
@@ -42,7 +37,7 @@ KVHead prepare_kv(float* k, float* v, const Problem& p, const Recipe& r, TileCon
     h.v_mean = sim::channel_mean(v, n, d);
     sim::subtract_channel_mean(v, n, d, h.v_mean.data());
   }
-  h.v = sim::quantize_v(v, n, d, r);
+  h.v = sim::quantize_v(v, n, d, r, tc.block_kv);
   return h;
 }
 
@@ -52,150 +47,222 @@ double dot(const float* a, const float* b, int64_t d) {
   return s;
 }
 
+// Q of one head as the QK matmul takes it, and Q smoothing's per-tile means.
+struct QHead {
+  sim::QKOperand op;
+  std::vector<float> q_mean;  // smooth_q: one mean per Q tile, [tiles][d]
+};
+
+QHead prepare_q(const float* q_orig, const Problem& p, const Recipe& r, TileConfig tc) {
+  const int64_t nq = p.n_q, d = p.head_dim;
+  QHead qh;
+  std::vector<float> qs(q_orig, q_orig + nq * d);
+  if (r.smooth_q) {
+    const int64_t tiles = ceil_div(nq, tc.block_q);
+    qh.q_mean.resize(static_cast<size_t>(tiles * d));
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t r0 = t * tc.block_q, rows = std::min<int64_t>(tc.block_q, nq - r0);
+      const std::vector<float> m = sim::channel_mean(qs.data() + r0 * d, rows, d);
+      std::copy(m.begin(), m.end(), qh.q_mean.begin() + t * d);
+      sim::subtract_channel_mean(qs.data() + r0 * d, rows, d, m.data());
+    }
+  }
+  qh.op = sim::quantize_qk(qs.data(), nq, d, r.qk_format, r.qk_granularity, /*is_q=*/true, tc);
+  return qh;
+}
+
+// What every row of a call shares: the recipe's choices, derived once.
+struct RowPlan {
+  const Recipe* r = nullptr;
+  TileConfig tc{};
+  float sl2 = 0.f;
+  bool static_p = false;
+  float pmax = 1.f;
+  bool int_max = false;        // integer row max (docs/numerics.md, steps 4 and 6)
+  bool p_in_exponent = false;  // P's scale in the exponent (step 6)
+  float exp_scale = 1.f;       // the integer row max's exp2 yields P~ * exp_scale
+  rules::PScaleFold p_fold;
+  bool row_sum_mma = false;
+};
+
+RowPlan plan_rows(const Recipe& r, const Problem& p, TileConfig tc) {
+  RowPlan pl;
+  pl.r = &r;
+  pl.tc = tc;
+  pl.sl2 = rules::sm_scale_log2(p.sm_scale);
+  pl.static_p = r.p_scale == PScale::static_max && r.pv_format != PVFormat::nvfp4 &&
+                r.pv_format != PVFormat::mxfp4;
+  pl.pmax = pl.static_p ? rules::p_static_max(r) : 1.f;
+  pl.int_max = rules::integer_row_max(r);
+  pl.p_in_exponent = rules::p_scale_in_exponent(r);
+  pl.exp_scale = pl.p_in_exponent ? pl.pmax : 1.f;
+  pl.p_fold = rules::p_scale_fold(pl.exp_scale, static_cast<int>(p.head_dim));
+  pl.row_sum_mma = rules::row_sum_in_pv_mma(r, static_cast<int>(p.head_dim));
+  return pl;
+}
+
+// Per-thread buffers of the row loop, sized to one KV tile.
+struct RowScratch {
+  std::vector<float> s2, pt;
+  std::vector<int32_t> acc;  // integer row max: the accumulators
+  std::vector<float> mult;   // and their multipliers
+  std::vector<float> ps;     // P~ * exp_scale
+  sim::PTile ptile;
+  sim::AccumScratch accum;
+  explicit RowScratch(int64_t block_kv) : s2(block_kv), pt(block_kv), acc(block_kv), mult(block_kv), ps(block_kv) {}
+};
+
+// Steps 4-9 for one KV tile of row i: its logits, the online softmax, P's quantization and
+// the PV accumulation into O.
+void attend_tile(const RowPlan& pl, const sim::QKOperand& qop, int64_t i, const KVHead& kvh,
+                 const float* ds, int64_t j0, int64_t count, sim::RowState& st, float* O,
+                 RowScratch& x) {
+  const Recipe& r = *pl.r;
+  float alpha;
+  if (pl.int_max) {  // no smooth_q here: the rule excludes it
+    sim::qk_int_accumulators(qop, i, kvh.k, j0, count, pl.sl2, x.acc.data(), x.mult.data());
+    alpha = sim::softmax_enter_tile_integer_max(st, x.acc.data(), x.mult.data(), count, pl.p_fold,
+                                                x.ps.data());
+    // P~ for the row sum; with P's scale in the exponent the codes come from ps itself, as on
+    // the GPU.
+    for (int64_t j = 0; j < count; ++j) x.pt[j] = x.ps[j] / pl.exp_scale;
+  } else {
+    sim::qk_logits(qop, i, kvh.k, j0, count, pl.sl2, x.s2.data());
+    if (r.smooth_q)
+      for (int64_t j = 0; j < count; ++j) x.s2[j] += ds[j0 + j];
+    alpha = sim::softmax_enter_tile(st, x.s2.data(), count, x.pt.data());
+  }
+  // per_token P (SageBwd): the tile's largest P~ from the softmax's own maxima.
+  const float row_peak = r.p_scale == PScale::per_token ? std::exp2(st.tile_max - st.m) : 0.f;
+  sim::quantize_p(r, x.pt.data(), count, x.ptile, pl.p_in_exponent ? x.ps.data() : nullptr,
+                  row_peak);
+  // pv_mma: in P~ units like the others (pmax a power of two by default: exact).
+  const float row_sum = pl.row_sum_mma ? sim::pv_mma_row_sum(r.pv_accum, x.ptile) / pl.pmax
+                        : r.row_sum == RowSum::quantized_p ? x.ptile.dequantized_sum
+                                                           : sim::softmax_row_sum(x.pt.data(), count);
+  sim::accumulate_tile(r.pv_accum, x.ptile, kvh.v, j0, alpha, O, x.accum);
+  sim::softmax_add_row_sum(st, alpha, row_sum);
+}
+
+// Step 10: the output row from O and l.
+void finish_row(const RowPlan& pl, const KVHead& kvh, const sim::RowState& st, const float* O,
+                int64_t d, float* o) {
+  if (!(st.l > 0.f)) return;  // rows without keys (or l = 0) stay 0
+  const bool scale_at_end = pl.static_p || !kvh.v.channel_scale.empty();
+  for (int64_t c = 0; c < d; ++c) {
+    // Static P and V scales fold into one multiplier per channel; the fp4, fp16 and per-tile
+    // scaled (SageBwd) paths already carry dequantized values.
+    const float vs = kvh.v.channel_scale.empty() ? 1.f : kvh.v.channel_scale[c];
+    const float num = scale_at_end ? O[c] * (vs / pl.pmax) : O[c];
+    o[c] = num / st.l;
+    if (pl.r->smooth_v) o[c] += kvh.v_mean[c];
+  }
+}
+
+// Per KV head: K smoothing and quantization (f.k becomes K') and V's, or the prequantized
+// codes with their scales.
+void prepare_kv_heads(const AttentionArgs& args, const Problem& p, sim::Forward& f) {
+  const Recipe& r = args.recipe;
+  const int64_t d = p.head_dim, nkv = p.n_kv;
+  f.k = read_bhnd_f32(args.k, args.layout);
+  std::vector<float> v = read_bhnd_f32(args.v, args.layout);
+  f.kv.resize(static_cast<size_t>(p.batch * p.heads_kv));
+  const bool preq = r.inputs == Inputs::prequantized_int8;
+  const bool v_per_channel = r.v_scale == VScale::per_channel;
+  const std::vector<double> k_scale = preq ? read_flat_f64(args.k_scale) : std::vector<double>{};
+  const std::vector<double> v_scale = preq ? read_flat_f64(args.v_scale) : std::vector<double>{};
+  parallel_for(p.batch * p.heads_kv, [&](int64_t x) {
+    float* kh = f.k.data() + x * nkv * d;
+    float* vh = v.data() + x * nkv * d;
+    if (preq) {
+      f.kv[x].k = sim::prequantized_qk(kh, k_scale.data() + x * nkv, nkv, d);
+      f.kv[x].v = sim::prequantized_v(vh, nkv, d, v_scale.data() + x * (v_per_channel ? d : 1),
+                                      v_per_channel);
+    } else {
+      f.kv[x] = prepare_kv(kh, vh, p, r, f.tc);
+    }
+  });
+}
+
+// Steps 4-11 for every row of query head bh, into f.out, f.lse and f.lse2.
+void attend_head(const AttentionArgs& args, const RowPlan& pl, const QHead& qh, const KVHead& kvh,
+                 const float* q_orig, int64_t bh, sim::Forward& f) {
+  const Recipe& r = args.recipe;
+  const Problem& p = f.p;
+  const TileConfig tc = f.tc;
+  const int64_t d = p.head_dim, nq = p.n_q, nkv = p.n_kv;
+  RowScratch x(tc.block_kv);
+  std::vector<float> O(static_cast<size_t>(d));
+  std::vector<float> ds;  // smooth_q: the logit bias of the current Q tile, per key
+  int64_t ds_tile = -1;
+  for (int64_t i = 0; i < nq; ++i) {
+    // Bottom-right causal alignment: query i sees keys j <= i + nkv - nq.
+    const int64_t visible = args.causal ? std::clamp<int64_t>(i + nkv - nq + 1, 0, nkv) : nkv;
+    if (visible == 0) continue;  // out stays 0, lse -inf
+    if (r.smooth_q && q_smooth_block_of(i, tc) != ds_tile) {
+      ds_tile = q_smooth_block_of(i, tc);
+      ds = sim::smooth_q_logit_bias(qh.q_mean.data() + ds_tile * d, kvh.k, pl.sl2);
+    }
+    sim::RowState st;
+    std::fill(O.begin(), O.end(), 0.f);
+    for (int64_t j0 = 0; j0 < visible; j0 += tc.block_kv)
+      attend_tile(pl, qh.op, i, kvh, ds.data(), j0, std::min<int64_t>(tc.block_kv, visible - j0),
+                  st, O.data(), x);
+    finish_row(pl, kvh, st, O.data(), d, f.out.data() + (bh * nq + i) * d);
+    // K smoothing shifted every logit of this row by -sm_scale * q_i . mean(K); softmax
+    // ignores that, the LSE must not.
+    const bool shifted = r.smooth_k && r.inputs != Inputs::prequantized_int8;
+    const float shift =
+        shifted ? p.sm_scale * static_cast<float>(dot(q_orig + i * d, kvh.k_mean.data(), d)) : 0.f;
+    f.lse2[bh * nq + i] = st.m + std::log2(st.l);
+    f.lse[bh * nq + i] = f.lse2[bh * nq + i] * kLn2 + shift;
+  }
+}
+
 }  // namespace
+
+namespace sim {
+
+Forward run_forward(const AttentionArgs& args, const Problem& p, bool keep_q_operands) {
+  const Recipe& r = args.recipe;
+  const bool preq = r.inputs == Inputs::prequantized_int8;
+  Forward f;
+  f.p = p;
+  f.tc = tile_config(static_cast<int>(p.head_dim));
+  f.sl2 = rules::sm_scale_log2(p.sm_scale);
+  const int64_t d = p.head_dim, nq = p.n_q;
+  const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
+  assert(f.tc.block_kv % 8 == 0);  // tiles start on a thread-group boundary (tile.h)
+  prepare_kv_heads(args, p, f);
+
+  // ---- per Q head: Q smoothing and quantization, then the tiled attention loop ----
+  const std::vector<float> q = read_bhnd_f32(args.q, args.layout);
+  const std::vector<double> q_scale = preq ? read_flat_f64(args.q_scale) : std::vector<double>{};
+  f.out.assign(static_cast<size_t>(p.batch * p.heads_q * nq * d), 0.f);
+  f.lse.assign(static_cast<size_t>(p.batch * p.heads_q * nq), -std::numeric_limits<float>::infinity());
+  f.lse2 = f.lse;
+  if (keep_q_operands) f.q_ops.resize(static_cast<size_t>(p.batch * p.heads_q));
+  const RowPlan pl = plan_rows(r, p, f.tc);
+  parallel_for(p.batch * p.heads_q, [&](int64_t bh) {
+    const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+    const KVHead& kvh = f.kv[static_cast<size_t>(b * p.heads_kv + h / group)];
+    const float* q_orig = q.data() + bh * nq * d;
+    QHead qh;
+    if (preq) qh.op = prequantized_qk(q_orig, q_scale.data() + bh * nq, nq, d);
+    else qh = prepare_q(q_orig, p, r, f.tc);
+    attend_head(args, pl, qh, kvh, q_orig, bh, f);
+    if (keep_q_operands) f.q_ops[static_cast<size_t>(bh)] = std::move(qh.op);
+  });
+  return f;
+}
+
+}  // namespace sim
 
 void simulate(const AttentionArgs& args) {
   const Problem p = check_args(args, DeviceKind::cpu);
-  const Recipe& r = args.recipe;
-  const bool preq = r.inputs == Inputs::prequantized_int8;
-  const TileConfig tc = tile_config(static_cast<int>(p.head_dim));
-  const float sl2 = rules::sm_scale_log2(p.sm_scale);
-  const int64_t d = p.head_dim, nq = p.n_q, nkv = p.n_kv;
-  const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
-
-  std::vector<float> q = read_bhnd_f32(args.q, args.layout);
-  std::vector<float> k = read_bhnd_f32(args.k, args.layout);
-  std::vector<float> v = read_bhnd_f32(args.v, args.layout);
-
-  // ---- per KV head: smoothing and quantization of K and V ----
-  std::vector<KVHead> kv(static_cast<size_t>(p.batch * p.heads_kv));
-  std::vector<double> q_scale, k_scale, v_scale;
-  const bool v_per_channel = r.v_scale == VScale::per_channel;
-  if (preq) {
-    q_scale = read_flat_f64(args.q_scale);
-    k_scale = read_flat_f64(args.k_scale);
-    v_scale = read_flat_f64(args.v_scale);
-  }
-  parallel_for(p.batch * p.heads_kv, [&](int64_t x) {
-    float* kh = k.data() + x * nkv * d;
-    float* vh = v.data() + x * nkv * d;
-    if (preq) {
-      kv[x].k = sim::prequantized_qk(kh, k_scale.data() + x * nkv, nkv, d);
-      kv[x].v = sim::prequantized_v(vh, nkv, d, v_scale.data() + x * (v_per_channel ? d : 1),
-                                    v_per_channel);
-    } else {
-      kv[x] = prepare_kv(kh, vh, p, r, tc);
-    }
-  });
-
-  // ---- per Q head: Q smoothing and quantization, then the tiled attention loop ----
-  std::vector<float> out(static_cast<size_t>(p.batch * p.heads_q * nq * d), 0.f);
-  std::vector<float> lse(static_cast<size_t>(p.batch * p.heads_q * nq),
-                         -std::numeric_limits<float>::infinity());
-  const bool static_p = r.p_scale == PScale::static_max && r.pv_format != PVFormat::nvfp4 &&
-                        r.pv_format != PVFormat::mxfp4;
-  const float pmax = static_p ? rules::p_static_max(r) : 1.f;
-  // The integer row max's exp2 yields P~ * exp_scale: pmax where P's scale is in the
-  // exponent, else 1 (P~, multiplied by pmax when quantized).
-  const bool p_in_exponent = rules::p_scale_in_exponent(r);
-  const float exp_scale = p_in_exponent ? pmax : 1.f;
-  const rules::PScaleFold p_fold = rules::p_scale_fold(exp_scale, static_cast<int>(d));
-  const bool row_sum_mma = rules::row_sum_in_pv_mma(r, static_cast<int>(d));
-
-  parallel_for(p.batch * p.heads_q, [&](int64_t bh) {
-    const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-    const KVHead& kvh = kv[static_cast<size_t>(b * p.heads_kv + h / group)];
-    const float* q_orig = q.data() + bh * nq * d;
-
-    sim::QKOperand qop;
-    std::vector<float> q_mean;  // smooth_q: one mean per Q tile, [tiles][d]
-    if (preq) {
-      qop = sim::prequantized_qk(q_orig, q_scale.data() + bh * nq, nq, d);
-    } else {
-      std::vector<float> qs(q_orig, q_orig + nq * d);
-      if (r.smooth_q) {
-        const int64_t tiles = ceil_div(nq, tc.block_q);
-        q_mean.resize(static_cast<size_t>(tiles * d));
-        for (int64_t t = 0; t < tiles; ++t) {
-          const int64_t r0 = t * tc.block_q, rows = std::min<int64_t>(tc.block_q, nq - r0);
-          const std::vector<float> m = sim::channel_mean(qs.data() + r0 * d, rows, d);
-          std::copy(m.begin(), m.end(), q_mean.begin() + t * d);
-          sim::subtract_channel_mean(qs.data() + r0 * d, rows, d, m.data());
-        }
-      }
-      qop = sim::quantize_qk(qs.data(), nq, d, r.qk_format, r.qk_granularity, /*is_q=*/true, tc);
-    }
-
-    std::vector<float> s2(static_cast<size_t>(tc.block_kv)), pt(static_cast<size_t>(tc.block_kv));
-    // Integer row max recipes (docs/numerics.md, steps 4 and 6) keep the accumulators and the
-    // multipliers instead of the logits.
-    const bool int_max = rules::integer_row_max(r);
-    assert(tc.block_kv % 8 == 0);  // tiles start on a thread-group boundary (tile.h)
-    std::vector<int32_t> acc(int_max ? static_cast<size_t>(tc.block_kv) : 0);
-    std::vector<float> mult(int_max ? static_cast<size_t>(tc.block_kv) : 0);
-    std::vector<float> ps(int_max ? static_cast<size_t>(tc.block_kv) : 0);  // P~ * exp_scale
-    std::vector<float> O(static_cast<size_t>(d));
-    std::vector<float> ds;  // smooth_q: the logit bias of the current Q tile, per key
-    int64_t ds_tile = -1;
-    sim::PTile ptile;
-    sim::AccumScratch scratch;
-
-    for (int64_t i = 0; i < nq; ++i) {
-      // Bottom-right causal alignment: query i sees keys j <= i + nkv - nq.
-      const int64_t visible = args.causal ? std::clamp<int64_t>(i + nkv - nq + 1, 0, nkv) : nkv;
-      if (visible == 0) continue;  // out stays 0, lse -inf
-      if (r.smooth_q && q_smooth_block_of(i, tc) != ds_tile) {
-        ds_tile = q_smooth_block_of(i, tc);
-        ds = sim::smooth_q_logit_bias(q_mean.data() + ds_tile * d, kvh.k, sl2);
-      }
-      sim::RowState st;
-      std::fill(O.begin(), O.end(), 0.f);
-      for (int64_t j0 = 0; j0 < visible; j0 += tc.block_kv) {
-        const int64_t count = std::min<int64_t>(tc.block_kv, visible - j0);
-        float alpha;
-        if (int_max) {  // no smooth_q here: the rule excludes it
-          sim::qk_int_accumulators(qop, i, kvh.k, j0, count, sl2, acc.data(), mult.data());
-          alpha = sim::softmax_enter_tile_integer_max(st, acc.data(), mult.data(), count, p_fold,
-                                                      ps.data());
-          // P~ for the row sum; with P's scale in the exponent the codes come from ps itself,
-          // as on the GPU.
-          for (int64_t j = 0; j < count; ++j) pt[j] = ps[j] / exp_scale;
-        } else {
-          sim::qk_logits(qop, i, kvh.k, j0, count, sl2, s2.data());
-          if (r.smooth_q)
-            for (int64_t j = 0; j < count; ++j) s2[j] += ds[j0 + j];
-          alpha = sim::softmax_enter_tile(st, s2.data(), count, pt.data());
-        }
-        sim::quantize_p(r, pt.data(), count, ptile, p_in_exponent ? ps.data() : nullptr);
-        // pv_mma: in P~ units like the others (pmax a power of two by default: exact).
-        const float row_sum = row_sum_mma ? sim::pv_mma_row_sum(r.pv_accum, ptile) / pmax
-                              : r.row_sum == RowSum::quantized_p ? ptile.dequantized_sum
-                                                                 : sim::softmax_row_sum(pt.data(), count);
-        sim::accumulate_tile(r.pv_accum, ptile, kvh.v, j0, alpha, O.data(), scratch);
-        sim::softmax_add_row_sum(st, alpha, row_sum);
-      }
-
-      float* o = out.data() + (bh * nq + i) * d;
-      if (st.l > 0.f) {
-        for (int64_t c = 0; c < d; ++c) {
-          // Static P and V scales fold into one multiplier per channel; the fp4 and fp16
-          // paths already carry dequantized values.
-          const float num = static_p ? O[c] * (kvh.v.channel_scale[c] / pmax) : O[c];
-          o[c] = num / st.l;
-          if (r.smooth_v) o[c] += kvh.v_mean[c];
-        }
-      }
-      // K smoothing shifted every logit of this row by -sm_scale * q_i . mean(K); softmax
-      // ignores that, the LSE must not.
-      const float shift = r.smooth_k && !preq
-                              ? p.sm_scale * static_cast<float>(dot(q_orig + i * d, kvh.k_mean.data(), d))
-                              : 0.f;
-      lse[bh * nq + i] = (st.m + std::log2(st.l)) * kLn2 + shift;
-    }
-  });
-
-  write_bhnd(args.out, args.layout, out.data());
-  if (args.lse.defined()) write_flat(args.lse, lse.data());
+  const sim::Forward f = sim::run_forward(args, p, /*keep_q_operands=*/false);
+  write_bhnd(args.out, args.layout, f.out.data());
+  if (args.lse.defined()) write_flat(args.lse, f.lse.data());
 }
 
 }  // namespace sage::reference

@@ -35,7 +35,7 @@ uint64_t mix(uint64_t a, uint64_t b) {
   return z ^ (z >> 31);
 }
 
-enum Tensor : uint64_t { kQ = 1, kK = 2, kV = 3, kBias = 4, kOutlier = 5, kSink = 6 };
+enum Tensor : uint64_t { kQ = 1, kK = 2, kV = 3, kBias = 4, kOutlier = 5, kSink = 6, kDout = 7 };
 
 uint64_t stream(uint64_t seed, uint64_t dist, uint64_t tensor, int64_t b, int64_t h) {
   return mix(mix(mix(mix(seed, dist), tensor), static_cast<uint64_t>(b)), static_cast<uint64_t>(h));
@@ -201,6 +201,19 @@ SyntheticInputs make_synthetic(const std::string& distribution, const SyntheticS
     }
   }
   return in;
+}
+
+std::vector<uint16_t> synthetic_output_gradient(const SyntheticShape& s, uint64_t seed) {
+  const int64_t d = s.head_dim;
+  std::vector<uint16_t> dout(static_cast<size_t>(s.batch * s.heads_q * s.n_q * d));
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t h = 0; h < s.heads_q; ++h) {
+      // Its own stream family (no distribution index): the same dO for every distribution.
+      Rng rng(stream(seed, 0, kDout, b, h));
+      uint16_t* dst = dout.data() + (b * s.heads_q + h) * s.n_q * d;
+      for (int64_t i = 0; i < s.n_q * d; ++i) dst[i] = to_fp16(rng.normal());
+    }
+  return dout;
 }
 
 TensorView PrequantizedInputs::q_view() const {

@@ -69,6 +69,10 @@ std::string synthetic_description(const std::string& distribution);
 SyntheticInputs make_synthetic(const std::string& distribution, const SyntheticShape& shape,
                                uint64_t seed = 0);
 
+// A gradient of the output for the backward: fp16 N(0, 1), HND [batch, heads_q, n_q, head_dim],
+// the same for every distribution (its streams depend on the seed and the head only).
+std::vector<uint16_t> synthetic_output_gradient(const SyntheticShape& shape, uint64_t seed = 0);
+
 // INT8 inputs with scales, as Inputs::prequantized_int8 takes them: Q and K per token
 // (amax / 127), V per tensor or per channel; symmetric round-to-nearest-even codes.
 struct PrequantizedInputs {

@@ -39,8 +39,8 @@ double half_ulp(float z) {
 // The presets that take the integer row max: INT8 Q/K from floating inputs with a scale per
 // tile (or finer, but not per token) and no Q smoothing (docs/numerics.md, step 4).
 const std::set<std::string>& integer_max_presets() {
-  static const std::set<std::string> names = {"sage1_b", "sage1_vb", "sage2_8b",
-                                              "sage2_8b_vsmooth", "sage2pp_8b"};
+  static const std::set<std::string> names = {"sage1_b",          "sage1_vb",   "sage2_8b",
+                                              "sage2_8b_vsmooth", "sage2pp_8b", "sagebwd"};
   return names;
 }
 

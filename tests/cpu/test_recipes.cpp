@@ -268,15 +268,19 @@ TEST(ValidateRecipe, EnumValuesOutsideTheEnumAreRefused) {
   expect_refused([](Recipe& r) { r.pv_format = static_cast<PVFormat>(42); }, "pv_format",
                  "fp16, e4m3, e5m2, int8, nvfp4, mxfp4");
   expect_refused([](Recipe& r) { r.p_scale = static_cast<PScale>(42); }, "p_scale",
-                 "none, static, two_level");
+                 "none, static, two_level, per_token");
   expect_refused([](Recipe& r) { r.v_scale = static_cast<VScale>(42); }, "v_scale",
-                 "none, per_channel, per_tensor, microscale");
+                 "none, per_channel, per_tensor, microscale, per_block");
   expect_refused([](Recipe& r) { r.pv_accum = static_cast<PVAccum>(42); }, "pv_accum",
                  "fp32, fp16, fp22, two_level, fp16x2_fp32");
   expect_refused([](Recipe& r) { r.row_sum = static_cast<RowSum>(42); }, "row_sum",
                  "float_p, quantized_p, pv_mma");
   expect_refused([](Recipe& r) { r.inputs = static_cast<Inputs>(42); }, "inputs",
                  "floating, prequantized_int8");
+  expect_refused([](Recipe& r) { r.dq_format = static_cast<BwdFormat>(42); }, "dq_format",
+                 "none, fp16, int8");
+  expect_refused([](Recipe& r) { r.bwd_ds_granularity = static_cast<Granularity>(42); },
+                 "bwd_ds_granularity", "per_tensor, per_block, per_warp, per_thread, per_token, microscale");
 }
 
 TEST(ValidateRecipe, PrequantizedInputsNeedIntFlashOptions) {
@@ -310,6 +314,84 @@ TEST(Recipes, ToStringCoversEveryValue) {
   EXPECT_STREQ(to_string(RowSum::quantized_p), "quantized_p");
   EXPECT_STREQ(to_string(Inputs::prequantized_int8), "prequantized_int8");
   EXPECT_STREQ(to_string(static_cast<Inputs>(7)), "?");
+}
+
+// ---- SageBwd: its forward's P and V scales and the backward's options -------------------
+
+TEST(Recipes, SagebwdIsThePapersTrainingRecipe) {
+  const Recipe& r = preset("sagebwd");
+  EXPECT_EQ(r.qk_format, QKFormat::int8);
+  EXPECT_EQ(r.qk_granularity, Granularity::per_block);
+  EXPECT_TRUE(r.smooth_k);
+  EXPECT_EQ(r.pv_format, PVFormat::int8);
+  EXPECT_EQ(r.p_scale, PScale::per_token);
+  EXPECT_EQ(r.v_scale, VScale::per_block);
+  EXPECT_TRUE(has_backward(r));
+  EXPECT_EQ(r.dp_format, BwdFormat::fp16);  // the one 16-bit matmul of the seven
+  for (BwdFormat f : {r.dv_format, r.dq_format, r.dk_format}) EXPECT_EQ(f, BwdFormat::int8);
+  EXPECT_NO_THROW(validate_backward(r));
+  EXPECT_NE(recipe_summary(r).find("backward dV int8 (P per_token), dP fp16"), std::string::npos)
+      << recipe_summary(r);
+  for (const Recipe& other : presets())
+    if (other.name != "sagebwd") EXPECT_FALSE(has_backward(other)) << other.name;
+}
+
+TEST(ValidateRecipe, PerTokenPAndPerBlockVAreInt8Only) {
+  Recipe r = preset("sagebwd");
+  r.pv_format = PVFormat::e4m3;
+  r.pv_accum = PVAccum::two_level;
+  r.v_scale = VScale::per_channel;
+  EXPECT_INVALID(r, "recipe.p_scale", "per_token P scaling");
+  r = preset("sagebwd");
+  r.p_range = 100.f;
+  EXPECT_INVALID(r, "recipe.p_range", "per_token P takes none");
+  r = base();
+  r.v_scale = VScale::per_block;
+  EXPECT_INVALID(r, "recipe.v_scale", "per_block V");
+  r = preset("int_flash");
+  r.v_scale = VScale::per_block;
+  EXPECT_INVALID(r, "recipe.v_scale", "per tensor or per channel");
+}
+
+TEST(ValidateRecipe, BackwardFormatsAreSetTogether) {
+  Recipe r = preset("sagebwd");
+  r.dk_format = BwdFormat::none;
+  EXPECT_INVALID(r, "recipe.dk_format", "all four");
+  EXPECT_THROW(validate_backward(base()), Error);  // no backward at all
+}
+
+TEST(ValidateRecipe, Int8GradientsNeedOneQKScalePerBackwardTile) {
+  Recipe r = preset("sagebwd");
+  r.qk_granularity = Granularity::per_thread;
+  EXPECT_INVALID(r, "recipe.dq_format", "per_block, per_warp or per_tensor");
+  r.dq_format = BwdFormat::fp16;
+  EXPECT_INVALID(r, "recipe.dk_format", "per_block or per_tensor");
+  r.dk_format = BwdFormat::fp16;
+  EXPECT_NO_THROW(validate_recipe(r));  // 16-bit dQ and dK take Q and K as they are
+  r = preset("sagebwd");
+  r.qk_granularity = Granularity::per_warp;  // per_block for K, 16-row groups for Q
+  EXPECT_INVALID(r, "recipe.dk_format", "per_block or per_tensor");
+  r = preset("sagebwd");
+  r.qk_format = QKFormat::e4m3;
+  EXPECT_INVALID(r, "recipe.dq_format", "int8/int4");
+}
+
+TEST(ValidateRecipe, BackwardRefusesWhatItDoesNotModel) {
+  Recipe r = preset("sagebwd");
+  r.smooth_q = true;
+  EXPECT_INVALID(r, "recipe.smooth_q", "Q smoothing");
+  r = preset("sagebwd");
+  r.bwd_ds_granularity = Granularity::per_thread;
+  EXPECT_INVALID(r, "recipe.bwd_ds_granularity", "per_block or per_token");
+  r = preset("sagebwd");
+  r.bwd_p_granularity = Granularity::per_tensor;
+  EXPECT_INVALID(r, "recipe.bwd_p_granularity", "per_block or per_token");
+}
+
+TEST(Recipes, ToStringCoversTheBackwardsValues) {
+  EXPECT_STREQ(to_string(PScale::per_token), "per_token");
+  EXPECT_STREQ(to_string(VScale::per_block), "per_block");
+  for (auto v : {BwdFormat::none, BwdFormat::fp16, BwdFormat::int8}) EXPECT_STRNE(to_string(v), "?");
 }
 
 }  // namespace

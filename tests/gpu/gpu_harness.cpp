@@ -32,8 +32,9 @@ std::string gpu_skip_reason() {
 }
 
 const std::vector<std::string>& cpu_only_presets() {
-  // SageAttention3's NVFP4 needs Blackwell's FP4 tensor cores; Hopper has none.
-  static const std::vector<std::string> names = {"sage3_fp4"};
+  // SageAttention3's NVFP4 needs Blackwell's FP4 tensor cores; Hopper has none. SageBwd's
+  // forward (per-token INT8 P, per-block V) has no sm_90 kernel yet.
+  static const std::vector<std::string> names = {"sage3_fp4", "sagebwd"};
   return names;
 }
 

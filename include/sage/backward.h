@@ -1,0 +1,48 @@
+// The backward pass of attention (training): the gradients of out = softmax(sm_scale Q K^T +
+// mask) V with respect to Q, K and V, given the gradient dO of the output.
+//
+// Only recipes with a backward (has_backward: the sagebwd preset, SageBwd's configuration, or
+// a custom recipe that sets the four backward formats) have one; docs/numerics.md, "The
+// backward", states what it computes step by step. The CPU references live here; the GPU
+// kernels do not exist yet.
+//
+// Shapes follow attention.h (HND shown; NHD swaps tokens and heads):
+//   q, dout, dq, out  [batch, heads_q,  n_q,  head_dim]
+//   k, v, dk, dv      [batch, heads_kv, n_kv, head_dim]
+//   lse               [batch, heads_q, n_q] f32 (optional, written)
+// dk and dv of a KV head are summed over the query heads that share it (GQA/MQA).
+#pragma once
+
+#include <optional>
+
+#include "sage/attention.h"
+#include "sage/recipe.h"
+#include "sage/tensor.h"
+
+namespace sage {
+
+struct BackwardArgs {
+  TensorView q, k, v;   // the forward's inputs: f16 / bf16 (f32 on the CPU)
+  TensorView dout;      // dO: q's shape and dtype
+  TensorView dq, dk, dv;  // written: q's, k's and v's shapes, any float dtype on the CPU
+  TensorView out, lse;  // optional, written: the forward's output and natural-log LSE
+  Layout layout = Layout::HND;
+  bool causal = false;
+  std::optional<float> sm_scale;  // default 1/sqrt(head_dim)
+  Recipe recipe = Recipe{};       // must have a backward (has_backward)
+};
+
+// Checks every argument (the recipe's backward included) and returns the problem's shape;
+// throws sage::Error naming the first bad argument.
+Problem check_backward_args(const BackwardArgs& args, DeviceKind device);
+
+namespace reference {
+// Gradients in float64 (softmax attention differentiated exactly; the recipe is ignored),
+// rounded once to the dtypes of dq, dk, dv; out and lse as exact() writes them.
+void exact_backward(const BackwardArgs& args);
+// The recipe's forward (exactly simulate()'s, whose out and lse it writes) and then its
+// backward, computed the way docs/numerics.md, "The backward", says.
+void simulate_backward(const BackwardArgs& args);
+}  // namespace reference
+
+}  // namespace sage

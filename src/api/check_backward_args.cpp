@@ -1,0 +1,126 @@
+// Argument checking of the backward entry points: the forward's checks (check_args) for q, k,
+// v, out, lse and the recipe, then the gradients' own views.
+#include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "sage/attention.h"
+#include "sage/backward.h"
+#include "sage/error.h"
+
+namespace sage {
+namespace {
+
+std::string shape_text(const TensorView& t) {
+  std::string s = "[";
+  for (int i = 0; i < t.ndim; ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
+  return s + "]";
+}
+
+// A contiguous stand-in for an absent output of `like`'s shape and dtype: check_args requires
+// `out`, which the backward only writes when asked. It is never dereferenced.
+TensorView stand_in(const TensorView& like) {
+  TensorView t = like;
+  int64_t stride = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    t.strides[i] = stride;
+    stride *= t.shape[i] > 0 ? t.shape[i] : 1;
+  }
+  return t;
+}
+
+const char* layout_dims(Layout l) {
+  return l == Layout::HND ? "[batch, heads, tokens, head_dim]" : "[batch, tokens, heads, head_dim]";
+}
+
+// A 4-d view of `like`'s shape on the same device, head_dim contiguous, not null.
+void check_like(const TensorView& t, const char* name, const TensorView& like, const char* like_name,
+                Layout layout, DeviceKind device) {
+  if (!t.defined() || t.ndim != 4)
+    throw Error(name, std::string("must be a 4-d view ") + layout_dims(layout) + " of " + like_name +
+                          "'s shape " + shape_text(like) + " (got " +
+                          (t.defined() ? std::to_string(t.ndim) + " dimensions)" : "an undefined view)"));
+  for (int i = 0; i < 4; ++i)
+    if (t.shape[i] != like.shape[i])
+      throw Error(name, "shape must equal " + std::string(like_name) + "'s shape " + shape_text(like) +
+                            " (got " + shape_text(t) + ")");
+  for (int i = 0; i < 4; ++i)
+    if (t.strides[i] < 0)
+      throw Error(name, "strides must be >= 0");
+  if (t.shape[3] > 1 && t.strides[3] != 1)
+    throw Error(name, "the last dimension (head_dim) must be contiguous, stride 1 (got stride " +
+                          std::to_string(t.strides[3]) + ")");
+  if (t.data == nullptr && t.numel() > 0)
+    throw Error(name, "data must not be null for a view of " + std::to_string(t.numel()) + " elements");
+  if (t.device.kind != device)
+    throw Error(name, std::string("must be in ") + (device == DeviceKind::cpu ? "cpu" : "cuda") +
+                          " memory for this entry point (got " + device_name(t.device) + ")");
+}
+
+// A gradient is written: no two of its elements may share an address (check_args' rule for
+// out: sorted by stride, each dim must step past everything the smaller ones span).
+void check_no_self_overlap(const TensorView& t, const char* name) {
+  if (t.numel() == 0) return;
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dims that vary
+  for (int i = 0; i < t.ndim; ++i)
+    if (t.shape[i] > 1) dims.emplace_back(t.strides[i], t.shape[i]);
+  std::sort(dims.begin(), dims.end());
+  int64_t span = 0;
+  for (const auto& d : dims) {
+    if (d.first <= span)
+      throw Error(name, "is written, so its strides must give every element its own address");
+    span += d.first * (d.second - 1);
+  }
+}
+
+void check_gradient_dtype(const TensorView& t, const char* name) {
+  if (t.dtype != DType::f16 && t.dtype != DType::bf16 && t.dtype != DType::f32 && t.dtype != DType::f64)
+    throw Error(name, std::string("dtype must be one of f16, bf16, f32, f64 on cpu (got ") +
+                          dtype_name(t.dtype) + ")");
+}
+
+// The forward call a backward call implies, for check_args: its out and lse are the
+// backward's (out standing in when absent).
+AttentionArgs forward_of(const BackwardArgs& a) {
+  AttentionArgs f;
+  f.q = a.q;
+  f.k = a.k;
+  f.v = a.v;
+  f.out = a.out.defined() ? a.out : stand_in(a.q);
+  f.lse = a.lse;
+  f.layout = a.layout;
+  f.causal = a.causal;
+  f.sm_scale = a.sm_scale;
+  f.recipe = a.recipe;
+  return f;
+}
+
+}  // namespace
+
+Problem check_backward_args(const BackwardArgs& a, DeviceKind device) {
+  if (device != DeviceKind::cpu)
+    throw Error("device", "the backward has CPU references only; no GPU kernel exists yet");
+  if (a.recipe.inputs != Inputs::floating)
+    throw Error("recipe.inputs", "the backward needs floating inputs (prequantized INT8 inputs "
+                                 "have no gradient)");
+  const Problem p = check_args(forward_of(a), device);
+  check_like(a.dout, "dout", a.q, "q", a.layout, device);
+  if (a.dout.dtype != a.q.dtype)
+    throw Error("dout", std::string("dtype must equal q's dtype ") + dtype_name(a.q.dtype) + " (got " +
+                            dtype_name(a.dout.dtype) + ")");
+  const struct {
+    const TensorView* t;
+    const char* name;
+    const TensorView* like;
+    const char* like_name;
+  } grads[] = {{&a.dq, "dq", &a.q, "q"}, {&a.dk, "dk", &a.k, "k"}, {&a.dv, "dv", &a.v, "v"}};
+  for (const auto& g : grads) {
+    check_like(*g.t, g.name, *g.like, g.like_name, a.layout, device);
+    check_gradient_dtype(*g.t, g.name);
+    check_no_self_overlap(*g.t, g.name);
+  }
+  return p;
+}
+
+}  // namespace sage

@@ -1,0 +1,581 @@
+// The backward references: exact_backward against finite differences of exact(), its
+// invariances, and simulate_backward (the recipe's backward, docs/numerics.md "The backward")
+// against exact_backward: accuracy, the INT8-dP ablation, causal, GQA, layouts, arguments.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <iostream>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "reference/backward.h"
+#include "numerics/tile.h"
+#include "reference/metrics.h"
+#include "reference/qk_quantize.h"
+#include "reference/synthetic.h"
+#include "sage/backward.h"
+#include "numerics/tile.h"
+#include "sage/error.h"
+#include "numerics/formats.h"
+#include "numerics/quant_rules.h"
+#include "numerics/tile.h"
+
+namespace sage {
+namespace {
+
+using reference::ErrorStats;
+using reference::SyntheticInputs;
+using reference::SyntheticShape;
+
+bool print_measurements() { return std::getenv("SAGE_PRINT_MEASUREMENTS") != nullptr; }
+
+SyntheticShape shape(int64_t hq, int64_t hkv, int64_t nq, int64_t nkv, int64_t d) {
+  SyntheticShape s;
+  s.heads_q = hq, s.heads_kv = hkv, s.n_q = nq, s.n_kv = nkv, s.head_dim = d;
+  return s;
+}
+
+int64_t q_numel(const SyntheticShape& s) { return s.batch * s.heads_q * s.n_q * s.head_dim; }
+int64_t kv_numel(const SyntheticShape& s) { return s.batch * s.heads_kv * s.n_kv * s.head_dim; }
+TensorView q_view(void* p, DType t, const SyntheticShape& s) {
+  return contiguous_view(p, t, {s.batch, s.heads_q, s.n_q, s.head_dim});
+}
+TensorView kv_view(void* p, DType t, const SyntheticShape& s) {
+  return contiguous_view(p, t, {s.batch, s.heads_kv, s.n_kv, s.head_dim});
+}
+
+// Gradients (and the forward's output) of one backward call, in the dtype T of their views.
+template <class T>
+struct Grads {
+  std::vector<T> dq, dk, dv, out;
+  std::vector<float> lse;
+};
+
+// Runs `fn` (exact_backward or simulate_backward) on views of the given inputs (dtype `in`),
+// writing T outputs of dtype `out`.
+template <class T>
+Grads<T> run(void (*fn)(const BackwardArgs&), const SyntheticShape& s, DType in, void* q, void* k,
+             void* v, void* dout, DType out, bool causal, const Recipe& recipe,
+             std::optional<float> sm_scale = std::nullopt) {
+  Grads<T> g;
+  g.dq.resize(q_numel(s)), g.out.resize(q_numel(s));
+  g.dk.resize(kv_numel(s)), g.dv.resize(kv_numel(s));
+  g.lse.resize(static_cast<size_t>(s.batch * s.heads_q * s.n_q));
+  BackwardArgs a;
+  a.q = q_view(q, in, s), a.k = kv_view(k, in, s), a.v = kv_view(v, in, s);
+  a.dout = q_view(dout, in, s);
+  a.dq = q_view(g.dq.data(), out, s), a.out = q_view(g.out.data(), out, s);
+  a.dk = kv_view(g.dk.data(), out, s), a.dv = kv_view(g.dv.data(), out, s);
+  a.lse = contiguous_view(g.lse.data(), DType::f32, {s.batch, s.heads_q, s.n_q});
+  a.causal = causal;
+  a.recipe = recipe;
+  a.sm_scale = sm_scale;
+  fn(a);
+  return g;
+}
+
+// ---- exact_backward against finite differences ------------------------------------------
+
+// Values exactly representable in fp16 and small, so that x +- 2^-16 is exact in float: the
+// perturbed inputs are what the difference quotient assumes.
+std::vector<float> fp16_values(int64_t n, uint64_t seed) {
+  reference::Rng rng(seed);
+  std::vector<float> x(static_cast<size_t>(n));
+  for (float& v : x) v = fmt::round_fp16(static_cast<float>(rng.normal()));
+  return x;
+}
+
+struct SmallCase {
+  SyntheticShape s;
+  std::vector<float> q, k, v, dout;
+};
+
+SmallCase small_case(const SyntheticShape& s, uint64_t seed) {
+  return {s, fp16_values(q_numel(s), seed), fp16_values(kv_numel(s), seed + 1),
+          fp16_values(kv_numel(s), seed + 2), fp16_values(q_numel(s), seed + 3)};
+}
+
+// The loss sum(out * dout) of exact() in float64.
+double exact_loss(SmallCase& c, bool causal, float sm_scale) {
+  std::vector<double> out(static_cast<size_t>(q_numel(c.s)));
+  AttentionArgs a;
+  a.q = q_view(c.q.data(), DType::f32, c.s);
+  a.k = kv_view(c.k.data(), DType::f32, c.s);
+  a.v = kv_view(c.v.data(), DType::f32, c.s);
+  a.out = q_view(out.data(), DType::f64, c.s);
+  a.causal = causal;
+  a.sm_scale = sm_scale;
+  reference::exact(a);
+  double loss = 0;
+  for (size_t i = 0; i < out.size(); ++i) loss += out[i] * c.dout[i];
+  return loss;
+}
+
+// Central differences of the loss in every element of one tensor of c, against `grad`.
+void expect_matches_differences(SmallCase& c, std::vector<float>& x, const std::vector<double>& grad,
+                                bool causal, float sm_scale, const char* name) {
+  constexpr float h = 1.f / 65536;
+  double worst = 0, scale = 0;
+  for (size_t e = 0; e < x.size(); ++e) {
+    const float keep = x[e];
+    x[e] = keep + h;
+    const double up = exact_loss(c, causal, sm_scale);
+    x[e] = keep - h;
+    const double down = exact_loss(c, causal, sm_scale);
+    x[e] = keep;
+    worst = std::max(worst, std::fabs((up - down) / (2.0 * h) - grad[e]));
+    scale = std::max(scale, std::fabs(grad[e]));
+  }
+  if (print_measurements())
+    std::cout << "MEASURED finite-differences " << name << " worst " << worst << " of " << scale << "\n";
+  // Truncation error ~h^2 = 2^-32 and the loss's rounding ~1e-16 / h: both near 1e-10.
+  EXPECT_LT(worst, 1e-7 * std::max(1.0, scale)) << name << " (largest gradient " << scale << ")";
+}
+
+void check_exact_backward(const SyntheticShape& s, bool causal, uint64_t seed, float sm_scale = 0.3f) {
+  SmallCase c = small_case(s, seed);
+  const Grads<double> g = run<double>(&reference::exact_backward, s, DType::f32, c.q.data(),
+                                      c.k.data(), c.v.data(), c.dout.data(), DType::f64, causal,
+                                      Recipe{}, sm_scale);
+  expect_matches_differences(c, c.q, g.dq, causal, sm_scale, "dq");
+  expect_matches_differences(c, c.k, g.dk, causal, sm_scale, "dk");
+  expect_matches_differences(c, c.v, g.dv, causal, sm_scale, "dv");
+}
+
+TEST(ExactBackward, MatchesFiniteDifferences) { check_exact_backward(shape(2, 2, 5, 7, 8), false, 1); }
+TEST(ExactBackward, MatchesFiniteDifferencesCausalMoreKeys) {
+  check_exact_backward(shape(1, 1, 5, 9, 8), true, 2);
+}
+// Rows 0..3 see no key: their gradient is 0, and they add nothing to dK and dV.
+TEST(ExactBackward, MatchesFiniteDifferencesCausalMoreQueries) {
+  check_exact_backward(shape(1, 1, 9, 5, 4), true, 3);
+}
+TEST(ExactBackward, MatchesFiniteDifferencesGqaAndMqa) {
+  check_exact_backward(shape(4, 2, 4, 6, 8), true, 4);
+  check_exact_backward(shape(3, 1, 4, 5, 4), false, 5, 0.125f);
+}
+
+// ---- simulate_backward against exact_backward ---------------------------------------------
+
+struct Accuracy {
+  ErrorStats dq, dk, dv;
+};
+
+// A synthetic case's fp16 inputs and dO, and exact_backward's gradients of them.
+struct Case {
+  SyntheticInputs in;
+  std::vector<uint16_t> dout;
+  bool causal = false;
+  Grads<double> exact;
+};
+
+Case make_case(const std::string& dist, const SyntheticShape& s, bool causal, uint64_t seed = 0) {
+  Case c{reference::make_synthetic(dist, s, seed), reference::synthetic_output_gradient(s, seed), causal, {}};
+  c.exact = run<double>(&reference::exact_backward, s, DType::f16, c.in.q.data(), c.in.k.data(),
+                        c.in.v.data(), c.dout.data(), DType::f64, causal, Recipe{});
+  return c;
+}
+
+Grads<float> simulate(Case& c, const Recipe& r) {
+  return run<float>(&reference::simulate_backward, c.in.shape, DType::f16, c.in.q.data(),
+                    c.in.k.data(), c.in.v.data(), c.dout.data(), DType::f32, c.causal, r);
+}
+
+ErrorStats compare(const std::vector<float>& a, const std::vector<double>& ref) {
+  return reference::compare(a.data(), ref.data(), static_cast<int64_t>(ref.size()));
+}
+
+Accuracy accuracy(Case& c, const Recipe& r, const std::string& label) {
+  const Grads<float> g = simulate(c, r);
+  const Accuracy a{compare(g.dq, c.exact.dq), compare(g.dk, c.exact.dk), compare(g.dv, c.exact.dv)};
+  if (print_measurements())
+    for (const auto& [name, e] : {std::pair<const char*, ErrorStats>{"dq", a.dq}, {"dk", a.dk}, {"dv", a.dv}})
+      std::cout << "MEASURED backward " << label << " " << name << " cos " << e.cosine << " rel_l1 "
+                << e.rel_l1 << "\n";
+  for (const ErrorStats* e : {&a.dq, &a.dk, &a.dv}) EXPECT_EQ(e->nonfinite, 0) << label;
+  return a;
+}
+
+// sagebwd's forward formats, every backward matmul in 16 bits, Q/K and P/V too: only 16-bit
+// roundings remain.
+Recipe all_16_bit() {
+  Recipe r = preset("sagebwd");
+  r.name = "all 16-bit";
+  r.qk_format = QKFormat::fp16;
+  r.qk_granularity = Granularity::per_tensor;
+  r.pv_format = PVFormat::fp16;
+  r.p_scale = PScale::none;
+  r.v_scale = VScale::none;
+  r.dv_format = r.dp_format = r.dq_format = r.dk_format = BwdFormat::fp16;
+  return r;
+}
+
+Recipe int8_dp() {
+  Recipe r = preset("sagebwd");
+  r.name = "sagebwd int8 dP";
+  r.dp_format = BwdFormat::int8;
+  return r;
+}
+
+TEST(SimBackward, SixteenBitRecipeMatchesExact) {
+  for (bool causal : {false, true}) {
+    Case c = make_case("normal", shape(4, 2, 200, 300, 64), causal, 1);
+    const Accuracy a = accuracy(c, all_16_bit(), causal ? "16-bit causal" : "16-bit");
+    for (const ErrorStats* e : {&a.dq, &a.dk, &a.dv}) {
+      EXPECT_GT(e->cosine, 0.99999);
+      EXPECT_LT(e->rel_l1, 2e-3);
+    }
+  }
+}
+
+// The issue's expected order on normal inputs (dV cosine >= 0.999, dQ and dK >= 0.995),
+// d = 64 and 128, causal or not. Measured (1 - cos / rel. L1, N = 512, 2 heads): dV 1.8e-4 /
+// 0.019, dQ and dK 1.4e-3 / 0.053 (d = 128; d = 64 and causal within 25%).
+TEST(SimBackward, SagebwdReachesTheExpectedAccuracy) {
+  for (int64_t d : {64, 128})
+    for (bool causal : {false, true}) {
+      Case c = make_case("normal", shape(2, 2, 512, 512, d), causal);
+      const std::string label = "sagebwd normal d" + std::to_string(d) + (causal ? " causal" : "");
+      const Accuracy a = accuracy(c, preset("sagebwd"), label);
+      EXPECT_GE(a.dv.cosine, 0.999) << label;
+      EXPECT_GE(a.dq.cosine, 0.995) << label;
+      EXPECT_GE(a.dk.cosine, 0.995) << label;
+      EXPECT_LT(a.dv.rel_l1, 0.03) << label;
+      EXPECT_LT(std::max(a.dq.rel_l1, a.dk.rel_l1), 0.08) << label;
+    }
+}
+
+// SageBwd keeps dP = dO V^T in 16 bits: its error enters dS and from there dQ and dK. On
+// normal inputs the INT8 ablation is measurably worse but dS's own INT8 error dominates
+// (1 - cos of dQ 1.50e-3 vs 1.41e-3); with a channel bias in V (v_bias), whose large common
+// part dP - D cancels, INT8 dO and V lose the difference: 3.7e-3 vs 1.3e-3, and 2.7e-3 vs
+// 3.1e-4 with dS per token. Reported, and asserted only as "worse" (and 2x on v_bias).
+TEST(SimBackward, Int8DpAblationIsWorseOnDq) {
+  for (const char* dist : {"normal", "v_bias"}) {
+    Case c = make_case(dist, shape(2, 2, 512, 512, 128), false);
+    const Accuracy fp16 = accuracy(c, preset("sagebwd"), std::string(dist) + " sagebwd");
+    const Accuracy int8 = accuracy(c, int8_dp(), std::string(dist) + " int8-dP");
+    EXPECT_GT(1 - int8.dq.cosine, 1 - fp16.dq.cosine) << dist;
+    EXPECT_GT(int8.dq.rel_l1, fp16.dq.rel_l1) << dist;
+    EXPECT_EQ(int8.dv.cosine, fp16.dv.cosine) << "dV does not depend on dP";
+    if (std::string(dist) == "v_bias") EXPECT_GT(1 - int8.dq.cosine, 2 * (1 - fp16.dq.cosine));
+  }
+}
+
+// The scale granularities of the backward's INT8 P and dS (bwd_p_granularity,
+// bwd_ds_granularity): per token follows the spread of diffuse attention that one scale per
+// 64 x 128 tile cannot. Measured on normal: dV 1 - cos 1.1e-3 (per block, the paper's) vs
+// 1.9e-4 (per key, sagebwd's); dQ 1.4e-3 (per block, sagebwd's) vs 2.6e-4 (per token).
+TEST(SimBackward, PerTokenScalesBeatPerBlockOnDiffuseAttention) {
+  Case c = make_case("normal", shape(2, 2, 512, 512, 128), false);
+  Recipe p_block = preset("sagebwd");
+  p_block.bwd_p_granularity = Granularity::per_block;
+  Recipe ds_token = preset("sagebwd");
+  ds_token.bwd_ds_granularity = Granularity::per_token;
+  const Accuracy base = accuracy(c, preset("sagebwd"), "sagebwd");
+  const Accuracy pb = accuracy(c, p_block, "P per block");
+  const Accuracy dt = accuracy(c, ds_token, "dS per token");
+  EXPECT_GT(1 - pb.dv.cosine, 3 * (1 - base.dv.cosine));
+  EXPECT_GT(1 - base.dq.cosine, 3 * (1 - dt.dq.cosine));
+  EXPECT_GT(1 - base.dk.cosine, 3 * (1 - dt.dk.cosine));
+  EXPECT_EQ(pb.dq.cosine, base.dq.cosine) << "P's granularity touches dV only";
+}
+
+// The backward runs the recipe's own forward: its out and lse are simulate()'s, bit for bit.
+TEST(SimBackward, ForwardOutputsAreSimulates) {
+  Case c = make_case("k_bias", shape(2, 1, 150, 260, 64), true, 3);
+  const Grads<float> g = simulate(c, preset("sagebwd"));
+  std::vector<float> out(g.out.size()), lse(g.lse.size());
+  AttentionArgs a;
+  a.q = c.in.q_view(), a.k = c.in.k_view(), a.v = c.in.v_view();
+  a.out = q_view(out.data(), DType::f32, c.in.shape);
+  a.lse = contiguous_view(lse.data(), DType::f32, {1, 2, 150});
+  a.causal = true;
+  a.recipe = preset("sagebwd");
+  reference::simulate(a);
+  EXPECT_EQ(out, g.out);
+  EXPECT_EQ(lse, g.lse);
+}
+
+// GQA: dK and dV of a KV head are its query heads' gradients summed in head order, which is
+// what MHA with K and V repeated gives once its per-head dK, dV are summed the same way.
+TEST(SimBackward, GqaSumsTheGradientsOfItsQueryHeads) {
+  Case g = make_case("normal", shape(4, 2, 100, 140, 64), true, 5);
+  SyntheticShape ms = g.in.shape;
+  ms.heads_kv = 4;
+  std::vector<uint16_t> k(static_cast<size_t>(kv_numel(ms))), v(k.size());
+  const int64_t per_head = ms.n_kv * ms.head_dim;
+  for (int64_t h = 0; h < 4; ++h)
+    for (int64_t e = 0; e < per_head; ++e) {
+      k[h * per_head + e] = g.in.k[(h / 2) * per_head + e];
+      v[h * per_head + e] = g.in.v[(h / 2) * per_head + e];
+    }
+  const Grads<float> gq = simulate(g, preset("sagebwd"));
+  const Grads<float> mh = run<float>(&reference::simulate_backward, ms, DType::f16, g.in.q.data(),
+                                     k.data(), v.data(), g.dout.data(), DType::f32, true,
+                                     preset("sagebwd"));
+  EXPECT_EQ(gq.dq, mh.dq);
+  for (int64_t kvh = 0; kvh < 2; ++kvh)
+    for (int64_t e = 0; e < per_head; ++e) {
+      const int64_t a = (2 * kvh) * per_head + e, b = (2 * kvh + 1) * per_head + e;
+      ASSERT_EQ(gq.dk[kvh * per_head + e], mh.dk[a] + mh.dk[b]) << e;
+      ASSERT_EQ(gq.dv[kvh * per_head + e], mh.dv[a] + mh.dv[b]) << e;
+    }
+}
+
+// The same inputs in NHD give the same bits; repeated runs (threads) too.
+TEST(SimBackward, LayoutIndependentAndDeterministic) {
+  Case c = make_case("outliers", shape(2, 1, 90, 200, 64), true, 6);
+  const Grads<float> hnd = simulate(c, preset("sagebwd"));
+  EXPECT_EQ(hnd.dk, simulate(c, preset("sagebwd")).dk);
+  auto to_nhd = [](const std::vector<uint16_t>& x, int64_t heads, int64_t n, int64_t d) {
+    std::vector<uint16_t> y(x.size());
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t e = 0; e < d; ++e) y[(t * heads + h) * d + e] = x[(h * n + t) * d + e];
+    return y;
+  };
+  auto q = to_nhd(c.in.q, 2, 90, 64), k = to_nhd(c.in.k, 1, 200, 64), v = to_nhd(c.in.v, 1, 200, 64);
+  auto dout = to_nhd(c.dout, 2, 90, 64);
+  std::vector<float> dq(hnd.dq.size()), dk(hnd.dk.size()), dv(hnd.dv.size());
+  BackwardArgs a;
+  a.layout = Layout::NHD;
+  a.causal = true;
+  a.recipe = preset("sagebwd");
+  a.q = contiguous_view(q.data(), DType::f16, {1, 90, 2, 64});
+  a.dout = contiguous_view(dout.data(), DType::f16, {1, 90, 2, 64});
+  a.k = contiguous_view(k.data(), DType::f16, {1, 200, 1, 64});
+  a.v = contiguous_view(v.data(), DType::f16, {1, 200, 1, 64});
+  a.dq = contiguous_view(dq.data(), DType::f32, {1, 90, 2, 64});
+  a.dk = contiguous_view(dk.data(), DType::f32, {1, 200, 1, 64});
+  a.dv = contiguous_view(dv.data(), DType::f32, {1, 200, 1, 64});
+  reference::simulate_backward(a);
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t t = 0; t < 90; ++t)
+      for (int64_t e = 0; e < 64; ++e) ASSERT_EQ(dq[(t * 2 + h) * 64 + e], hnd.dq[(h * 90 + t) * 64 + e]);
+  EXPECT_EQ(dk, hnd.dk);  // one KV head: NHD and HND coincide
+  EXPECT_EQ(dv, hnd.dv);
+}
+
+// Causal with n_q > n_kv: rows that see no key have dQ = 0 and add nothing to dK, dV.
+TEST(SimBackward, RowsWithoutKeysHaveZeroGradient) {
+  Case c = make_case("normal", shape(2, 2, 200, 64, 64), true, 7);
+  const Grads<float> g = simulate(c, preset("sagebwd"));
+  for (int64_t h = 0; h < 2; ++h)
+    for (int64_t i = 0; i < 136; ++i)
+      for (int64_t e = 0; e < 64; ++e) ASSERT_EQ(g.dq[(h * 200 + i) * 64 + e], 0.f);
+  const Accuracy a = accuracy(c, preset("sagebwd"), "rows without keys");
+  EXPECT_GT(a.dq.cosine, 0.99);
+  EXPECT_GT(a.dv.cosine, 0.999);
+}
+
+// A zero dO has zero gradients exactly; bf16 inputs keep the accuracy of fp16 ones.
+TEST(SimBackward, ZeroGradientAndBf16Inputs) {
+  Case c = make_case("normal", shape(2, 1, 130, 170, 64), false, 8);
+  std::vector<uint16_t> zero(c.dout.size(), 0);
+  const Grads<float> z = run<float>(&reference::simulate_backward, c.in.shape, DType::f16, c.in.q.data(),
+                                    c.in.k.data(), c.in.v.data(), zero.data(), DType::f32, false,
+                                    preset("sagebwd"));
+  for (const auto* x : {&z.dq, &z.dk, &z.dv})
+    for (float e : *x) ASSERT_EQ(e, 0.f);
+  auto bf16 = [](const std::vector<uint16_t>& x) {
+    std::vector<uint16_t> y(x.size());
+    for (size_t i = 0; i < x.size(); ++i) y[i] = fmt::bf16_bits(fmt::fp16_from_bits(x[i]));
+    return y;
+  };
+  auto q = bf16(c.in.q), k = bf16(c.in.k), v = bf16(c.in.v), dout = bf16(c.dout);
+  const SyntheticShape& s = c.in.shape;
+  const Grads<double> ref = run<double>(&reference::exact_backward, s, DType::bf16, q.data(), k.data(),
+                                        v.data(), dout.data(), DType::f64, false, Recipe{});
+  const Grads<float> g = run<float>(&reference::simulate_backward, s, DType::bf16, q.data(), k.data(),
+                                    v.data(), dout.data(), DType::f32, false, preset("sagebwd"));
+  EXPECT_GT(compare(g.dv, ref.dv).cosine, 0.999);
+  EXPECT_GT(compare(g.dq, ref.dq).cosine, 0.995);
+  EXPECT_GT(compare(g.dk, ref.dk).cosine, 0.995);
+}
+
+// K smoothing leaves attention and its exact gradients unchanged (docs/numerics.md, "K
+// smoothing in the backward"); quantized, it is what keeps INT8 K accurate on k_bias.
+TEST(SimBackward, KSmoothingKeepsGradientsAccurateOnKBias) {
+  Case c = make_case("k_bias", shape(2, 2, 256, 512, 128), false, 9);
+  Recipe plain = preset("sagebwd");
+  plain.smooth_k = false;
+  const Accuracy smooth = accuracy(c, preset("sagebwd"), "k_bias smoothed");
+  const Accuracy off = accuracy(c, plain, "k_bias not smoothed");
+  EXPECT_LT(1 - smooth.dq.cosine, 1 - off.dq.cosine);
+  EXPECT_LT(1 - smooth.dk.cosine, 1 - off.dk.cosine);
+  EXPECT_GE(smooth.dq.cosine, 0.995);
+  EXPECT_GE(smooth.dk.cosine, 0.995);
+}
+
+// Adding one vector to every key shifts each row's scores by a constant: the exact gradients
+// do not move (dQ gains rowsum(dS) c = 0, dK and dV are unchanged).
+TEST(ExactBackward, ShiftingEveryKeyChangesNoGradient) {
+  SmallCase c = small_case(shape(2, 1, 6, 9, 8), 20);
+  const Grads<double> a = run<double>(&reference::exact_backward, c.s, DType::f32, c.q.data(), c.k.data(),
+                                      c.v.data(), c.dout.data(), DType::f64, true, Recipe{}, 0.35f);
+  for (int64_t t = 0; t < 9; ++t)
+    for (int64_t e = 0; e < 8; ++e) c.k[t * 8 + e] += static_cast<float>(e % 3) - 1.5f;  // exact
+  const Grads<double> b = run<double>(&reference::exact_backward, c.s, DType::f32, c.q.data(), c.k.data(),
+                                      c.v.data(), c.dout.data(), DType::f64, true, Recipe{}, 0.35f);
+  for (const auto& [x, y] : {std::pair{&a.dq, &b.dq}, {&a.dk, &b.dk}, {&a.dv, &b.dv}})
+    for (size_t i = 0; i < x->size(); ++i) ASSERT_NEAR((*x)[i], (*y)[i], 1e-12) << i;
+}
+
+// docs/numerics.md, "The backward", recomputed here from its text on one tile (64 queries x
+// 128 keys, d = 64) with sagebwd's formats: every gradient bit for bit.
+TEST(SimBackward, OneTileFollowsTheContract) {
+  const int64_t nq = 64, nkv = 128, d = 64;
+  const SyntheticInputs in = reference::make_synthetic("normal", shape(1, 1, nq, nkv, d), 11);
+  const SyntheticInputs o_src = reference::make_synthetic("normal", shape(1, 1, nq, nq, d), 12);
+  const std::vector<uint16_t> dout_bits = reference::synthetic_output_gradient(in.shape, 11);
+  auto floats = [](const std::vector<uint16_t>& x) {
+    std::vector<float> y(x.size());
+    for (size_t i = 0; i < x.size(); ++i) y[i] = fmt::fp16_from_bits(x[i]);
+    return y;
+  };
+  const std::vector<float> q = floats(in.q), k = floats(in.k), v = floats(in.v);
+  const std::vector<float> o = floats(o_src.q), dout = floats(dout_bits);
+  const Recipe r = preset("sagebwd");
+  const TileConfig tc = tile_config(static_cast<int>(d));
+  const reference::sim::QKOperand qop =
+      reference::sim::quantize_qk(q.data(), nq, d, QKFormat::int8, Granularity::per_block, true, tc);
+  const reference::sim::QKOperand kop =
+      reference::sim::quantize_qk(k.data(), nkv, d, QKFormat::int8, Granularity::per_block, false, tc);
+  const float sm = 0.125f, sl2 = rules::sm_scale_log2(sm);
+  auto acc_of = [&](int64_t i, int64_t j) {
+    int32_t a = 0;
+    for (int64_t c = 0; c < d; ++c) a += int32_t(qop.codes[i * d + c]) * kop.codes[j * d + c];
+    return a;
+  };
+  auto mult_of = [&](int64_t i, int64_t j) { return (qop.scale[i] * kop.scale[j]) * sl2; };
+  std::vector<float> lse2(nq);  // any LSE works; this one makes each row of P a distribution
+  for (int64_t i = 0; i < nq; ++i) {
+    double sum = 0;
+    for (int64_t j = 0; j < nkv; ++j) sum += std::exp2(double(float(acc_of(i, j)) * mult_of(i, j)));
+    lse2[i] = static_cast<float>(std::log2(sum));
+  }
+  reference::sim::BackwardHeadInputs bin;
+  bin.n_q = nq, bin.n_kv = nkv, bin.d = d, bin.sm_scale = sm, bin.sm_scale_log2 = sl2;
+  bin.q = &qop, bin.k = &kop, bin.q16 = q.data(), bin.k16 = k.data(), bin.v16 = v.data();
+  bin.o16 = o.data(), bin.do16 = dout.data(), bin.lse2 = lse2.data();
+  const reference::sim::HeadGradients g = reference::sim::backward_head(r, bin, backward_tile_config(int(d)));
+
+  // B2-B5: D, P, dP, dS.
+  std::vector<float> D(nq), P(nq * nkv), dS(nq * nkv);
+  for (int64_t i = 0; i < nq; ++i) {
+    double s = 0;
+    for (int64_t c = 0; c < d; ++c) s += double(dout[i * d + c]) * o[i * d + c];
+    D[i] = float(s);
+    for (int64_t j = 0; j < nkv; ++j) {
+      P[i * nkv + j] = std::exp2(std::fma(float(acc_of(i, j)), mult_of(i, j), -lse2[i]));
+      double dp = 0;
+      for (int64_t c = 0; c < d; ++c) dp += double(dout[i * d + c]) * v[j * d + c];
+      dS[i * nkv + j] = P[i * nkv + j] * (float(dp) - D[i]);
+    }
+  }
+  auto amax = [](const float* x, int64_t n, int64_t stride) {
+    float m = 0.f;
+    for (int64_t e = 0; e < n; ++e) m = std::max(m, std::fabs(x[e * stride]));
+    return m;
+  };
+  auto code = [](float x, float m) { return rules::round_clamp(x * rules::symmetric_inverse(m, 127.f), 127); };
+  // B6: dO per Q tile, P per key (column), dV = fma(acc, s_P,j * s_dO, 0).
+  const float do_max = amax(dout.data(), nq * d, 1), do_s = do_max / 127.f;
+  for (int64_t j = 0; j < nkv; ++j) {
+    const float p_max = amax(P.data() + j, nq, nkv);
+    for (int64_t c = 0; c < d; ++c) {
+      int32_t a = 0;
+      for (int64_t i = 0; i < nq; ++i) a += code(P[i * nkv + j], p_max) * code(dout[i * d + c], do_max);
+      ASSERT_EQ(g.dv[j * d + c], std::fma(float(a), (p_max / 127.f) * do_s, 0.f)) << j << " " << c;
+    }
+  }
+  // B7-B9: dS per tile; dQ = fma(acc, s_dS * s_K, 0) * sm, dK = fma(acc, s_dS * s_Q, 0) * sm.
+  const float ds_max = amax(dS.data(), nq * nkv, 1), ds_s = ds_max / 127.f;
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t c = 0; c < d; ++c) {
+      int32_t a = 0;
+      for (int64_t j = 0; j < nkv; ++j) a += code(dS[i * nkv + j], ds_max) * kop.codes[j * d + c];
+      ASSERT_EQ(g.dq[i * d + c], std::fma(float(a), ds_s * kop.scale[0], 0.f) * sm) << i << " " << c;
+    }
+  for (int64_t j = 0; j < nkv; ++j)
+    for (int64_t c = 0; c < d; ++c) {
+      int32_t a = 0;
+      for (int64_t i = 0; i < nq; ++i) a += code(dS[i * nkv + j], ds_max) * qop.codes[i * d + c];
+      ASSERT_EQ(g.dk[j * d + c], std::fma(float(a), ds_s * qop.scale[0], 0.f) * sm) << j << " " << c;
+    }
+}
+
+// The backward's Q tiles nest in the forward's per_block Q groups at every head dim, and its
+// K/V tiles are the forward's: per_block Q and K scales are one number per backward tile.
+TEST(BackwardTiles, NestInTheForwardsScaleGroups) {
+  for (int d : {32, 64, 96, 128, 256}) {
+    const BackwardTileConfig bt = backward_tile_config(d);
+    EXPECT_EQ(tile_config(d).block_q % bt.block_q, 0) << d;
+    EXPECT_EQ(tile_config(d).block_kv, bt.block_kv) << d;
+  }
+}
+
+// ---- arguments -----------------------------------------------------------------------------
+
+class BackwardArgsTest : public ::testing::Test {
+ protected:
+  SyntheticShape s = shape(2, 1, 8, 12, 16);
+  SyntheticInputs in = reference::make_synthetic("normal", s, 0);
+  std::vector<uint16_t> dout = reference::synthetic_output_gradient(s, 0);
+  std::vector<float> dq = std::vector<float>(q_numel(s)), dk = std::vector<float>(kv_numel(s));
+  std::vector<float> dv = std::vector<float>(kv_numel(s));
+  BackwardArgs args() {
+    BackwardArgs a;
+    a.q = in.q_view(), a.k = in.k_view(), a.v = in.v_view();
+    a.dout = q_view(dout.data(), DType::f16, s);
+    a.dq = q_view(dq.data(), DType::f32, s);
+    a.dk = kv_view(dk.data(), DType::f32, s);
+    a.dv = kv_view(dv.data(), DType::f32, s);
+    a.recipe = preset("sagebwd");
+    return a;
+  }
+  void expect_error(const BackwardArgs& a, const std::string& argument, const std::string& phrase) {
+    try {
+      reference::simulate_backward(a);
+      ADD_FAILURE() << "accepted; expected an error on " << argument;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), argument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(phrase), std::string::npos) << e.what();
+    }
+  }
+};
+
+TEST_F(BackwardArgsTest, ValidArgumentsRunAndEveryBadOneIsNamed) {
+  EXPECT_NO_THROW(reference::simulate_backward(args()));
+  BackwardArgs a = args();
+  a.recipe = preset("sage2_8b");
+  expect_error(a, "recipe.dv_format", "'sage2_8b' has no backward");
+  EXPECT_NO_THROW(reference::exact_backward(a));  // the exact gradients need no recipe
+  a = args();
+  a.dout = kv_view(dout.data(), DType::f16, s);
+  expect_error(a, "dout", "shape must equal q's shape");
+  a = args();
+  a.dout.dtype = DType::bf16;
+  expect_error(a, "dout", "dtype must equal q's dtype f16");
+  a = args();
+  a.dq.dtype = DType::i8;
+  expect_error(a, "dq", "dtype must be one of f16, bf16, f32, f64");
+  a = args();
+  a.dk = q_view(dk.data(), DType::f32, s);
+  expect_error(a, "dk", "shape must equal k's shape");
+  a = args();
+  a.dv = TensorView{};
+  expect_error(a, "dv", "undefined view");
+  a = args();
+  a.dq.strides[2] = 0;
+  expect_error(a, "dq", "every element its own address");
+  a = args();
+  a.recipe.qk_granularity = Granularity::per_thread;
+  expect_error(a, "recipe.dq_format", "one scale per K/V tile");
+}
+
+}  // namespace
+}  // namespace sage
