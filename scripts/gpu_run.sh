@@ -19,8 +19,12 @@ BUILD=build-gpu-run
 if has build; then
   log build
   # TARGETS (e.g. sage_cli) limits what is built; CUDA_FLAGS adds nvcc flags (e.g. -lineinfo).
+  # The Python extension is configured here too (the python stage builds its wheel in this
+  # folder, so the kernels are compiled once), for the interpreter that pip uses. Tests and
+  # CLI are named: a python stage run alone first leaves them off in the folder's cache.
   cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAGE_GTEST_SOURCE_DIR=$PWD/.deps/googletest \
-    -DCMAKE_CUDA_FLAGS="${CUDA_FLAGS:-}" > "$OUT/build.log" 2>&1 &&
+    -DCMAKE_CUDA_FLAGS="${CUDA_FLAGS:-}" -DSAGE_BUILD_TESTS=ON -DSAGE_BUILD_CLI=ON -DSAGE_BUILD_PYTHON=ON \
+    -DPython_EXECUTABLE="$(python3 -c 'import sys; print(sys.executable)')" > "$OUT/build.log" 2>&1 &&
     ninja -C $BUILD -j16 ${TARGETS:-} >> "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
   tail -2 "$OUT/build.log"
 fi
@@ -44,7 +48,8 @@ if has sanitize; then
 fi
 if has python; then
   log python package
-  bash scripts/python_gpu_install.sh > "$OUT/python.log" 2>&1; echo "install exit $?"
+  # In the build stage's folder: its library and kernels are reused, not compiled again.
+  bash scripts/python_gpu_install.sh --build-dir $BUILD > "$OUT/python.log" 2>&1; echo "install exit $?"
   PYTHONUNBUFFERED=1 timeout 600 python3 -m pytest -q tests/python >> "$OUT/python.log" 2>&1; echo "pytest exit $?"
   tail -5 "$OUT/python.log"
 fi

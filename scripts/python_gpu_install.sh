@@ -6,18 +6,24 @@
 #   scripts/python_gpu_install.sh            CUDA build for SAGEKIT_CUDA_ARCHITECTURES (90a)
 #   scripts/python_gpu_install.sh --cpu      CPU references only (no nvcc needed)
 #   SAGE_HEAD_DIMS="128" scripts/python_gpu_install.sh   fewer kernels, faster build
+#   scripts/python_gpu_install.sh --build-dir DIR          build in DIR, a CMake build folder
+#                                                           of the same options (gpu_run.sh's)
 #
-# The build folder (build-python/<wheel tag>) is kept, so a second run is incremental.
+# The build folder (build-python/<wheel tag>, or DIR) is kept, so a second run is incremental.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 cuda=1
-for arg in "$@"; do
-  case "$arg" in
+build_dir=
+while [ $# -gt 0 ]; do
+  case "$1" in
     --cpu) cuda=0 ;;
+    --build-dir) [ $# -ge 2 ] || { echo "python_gpu_install.sh: --build-dir needs a folder" >&2; exit 2; }
+                 build_dir=$(realpath -m "$2"); shift ;;
     -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
-    *) echo "python_gpu_install.sh: unknown argument '$arg' (try --help)" >&2; exit 2 ;;
+    *) echo "python_gpu_install.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
+  shift
 done
 
 python3 - <<'PY'
@@ -47,12 +53,25 @@ else
   args+=("-DSAGE_CUDA=OFF")
 fi
 
+pip_args=()
+if [[ -n "$build_dir" ]]; then
+  # Reusing a build folder (issue 32: build each kernel once): pyproject.toml's defines would
+  # turn its tests and CLI off, so keep them as that folder has them; with the same options
+  # otherwise, ninja finds the library built and compiles no kernel again.
+  for opt in SAGE_BUILD_TESTS SAGE_BUILD_CLI; do
+    val=$(sed -n "s/^$opt:BOOL=//p" "$build_dir/CMakeCache.txt" 2>/dev/null || true)
+    [[ -n "$val" ]] && args+=("-D$opt=$val")
+  done
+  pip_args+=("--config-settings=build-dir=$build_dir")
+  export CMAKE_GENERATOR=Ninja  # gpu_run.sh's build folders are Ninja ones
+fi
+
 export CMAKE_ARGS="${CMAKE_ARGS:-} ${args[*]}"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
-echo "CMAKE_ARGS=$CMAKE_ARGS"
+echo "CMAKE_ARGS=$CMAKE_ARGS${build_dir:+ (build folder $build_dir)}"
 mkdir -p build-python
 log=build-python/python_gpu_install.log
-if ! python3 -m pip install --no-build-isolation --no-index --no-deps -v . >"$log" 2>&1; then
+if ! python3 -m pip install --no-build-isolation --no-index --no-deps -v "${pip_args[@]}" . >"$log" 2>&1; then
   echo "python_gpu_install.sh: pip install failed; the end of $log:" >&2
   tail -n 60 "$log" >&2
   exit 1

@@ -35,8 +35,34 @@ if [ -z "${SAGE_CUDA:-}" ]; then
   if command -v nvcc >/dev/null; then SAGE_CUDA=ON; else SAGE_CUDA=OFF; fi
 fi
 build=build
+# One build folder for everything: the tests, the CLI and the Python extension. `pip install`
+# below reuses it (scikit-build-core's build-dir, the same options through CMAKE_ARGS), so it
+# finds every object already built and compiles no CUDA kernel a second time (issue 32: CI
+# used to build the whole library twice, once here and once in pip's own build folder).
+opts=(-DSAGE_CUDA="$SAGE_CUDA" -DSAGE_BUILD_TESTS=ON -DSAGE_BUILD_CLI=ON)
+python_pkg=0
+if [ -f pyproject.toml ]; then
+  python_pkg=1
+  say "python: the build requirements of pyproject.toml (scikit-build-core, nanobind)"
+  python3 -m pip --version >/dev/null 2>&1 || python3 -m ensurepip --upgrade
+  # The pip install below runs without build isolation (a temporary environment would be a
+  # new scikit-build-core, which discards the build folder's cache), so pyproject.toml's
+  # [build-system] requires go into this Python, read from there so the pins live in one place.
+  mapfile -t build_requires < <(python3 - <<'PY'
+import re
+text = open("pyproject.toml", encoding="utf-8").read()
+block = re.search(r"^\[build-system\]\s*^requires\s*=\s*\[(.*?)\]", text, re.M | re.S)
+print("\n".join(re.findall(r'"([^"]+)"', block.group(1))))
+PY
+  )
+  python3 -m pip install --quiet "${build_requires[@]}"
+  opts+=(-DSAGE_BUILD_PYTHON=ON)
+  # The interpreter pip builds with (scikit-build-core sets the same), so that the configure
+  # here and pip's agree and the extension is not rebuilt for another Python.
+  python_exe=$(python3 -c 'import sys; print(sys.executable)')
+fi
 say "configure ($build/, SAGE_CUDA=$SAGE_CUDA)"
-cmake -S . -B "$build" -G Ninja -DSAGE_CUDA="$SAGE_CUDA" -DSAGE_BUILD_TESTS=ON -DSAGE_BUILD_CLI=ON
+cmake -S . -B "$build" -G Ninja "${opts[@]}" ${python_exe:+-DPython_EXECUTABLE="$python_exe"}
 say "build (-j$jobs)"
 cmake --build "$build" -j "$jobs"
 
@@ -88,12 +114,21 @@ else
 fi
 
 # ---- Python package -----------------------------------------------------------------------
-if [ -f pyproject.toml ]; then
-  say "python: pip install ./ and pytest tests/python"
-  python3 -m pip --version >/dev/null 2>&1 || python3 -m ensurepip --upgrade
-  # The [test] extra brings pytest and numpy. SAGEKIT_CUDA follows this build's choice, so the
-  # package and the C++ build agree on whether there are kernels.
-  SAGEKIT_CUDA="$SAGE_CUDA" python3 -m pip install --quiet './[test]'
+if [ $python_pkg -eq 1 ]; then
+  say "python: pip install ./ (reusing $build/) and pytest tests/python"
+  # The [test] extra brings pytest and numpy. The wheel is built in $build/ with this script's
+  # CMake options, SAGE_CUDA included (CMAKE_ARGS wins over pyproject.toml's defines, which
+  # turn the tests and the CLI off), so CMake's cache stays as it is and ninja finds the
+  # library, the extension and the tests built above.
+  stamp=$(mktemp)
+  CMAKE_ARGS="${opts[*]}" CMAKE_GENERATOR=Ninja \
+    python3 -m pip install --quiet --no-build-isolation --config-settings=build-dir="$PWD/$build" './[test]'
+  # A kernel compiled again here means that pip's configure differed from the one above.
+  rebuilt=$(find "$build" -name '*.cu.o' -newer "$stamp" | wc -l)
+  rm -f "$stamp"
+  if [ "$rebuilt" -ne 0 ]; then
+    echo "scripts/test.sh: warning: pip install compiled $rebuilt CUDA objects again in $build/"
+  fi
   pytest_rc=0
   python3 -m pytest tests/python || pytest_rc=$?
   if [ $pytest_rc -eq 5 ]; then
