@@ -41,13 +41,11 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t phase) {
       : "memory");
 }
 
-// The producer's wait for a free stage. A plain try_wait returns after a short system-defined
-// time, so the waiting warp re-issued it about every 9 cycles: ~630 issue slots per K/V tile
-// on the scheduler it shares with two consumer warps (ncu, H100, d = 128, N = 16K). With a
-// suspend-time hint the thread sleeps until the phase completes (or the hint, in ns, runs
-// out), so it costs no issue slots while the consumers work. Not measured alone: whether it
-// wakes as promptly as the spin is the first suspect for the ~6% that v8 lost at d = 128,
-// N = 16K outside its pipeline (docs/performance.md).
+// A wait that costs no issue slots: a plain try_wait returns after a short system-defined
+// time, so a spinning warp re-issues it every few cycles, slots taken from the consumer warps
+// on its scheduler. With a suspend-time hint the thread sleeps until the phase completes (or
+// the hint, in ns, runs out). The Q stage's warps wait so; the K/V producer's one thread
+// spins, where a suspending wait was no faster (v9, v19g in docs/history/README.md).
 __device__ __forceinline__ void mbar_wait_sleeping(uint64_t* bar, uint32_t phase) {
   asm volatile(
       "{\n"
@@ -182,8 +180,8 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 // In two halves: the low word carries the start address (>> 4), the high word the stride and
 // swizzle, a constant per row width. The K/V loop keeps one low word per tile and adds each
 // k slice's byte offset to it. Rebuilt from a pointer for every MMA, the descriptors cost
-// ~10 instructions each of address masking, shifts and moves on the warp's issue slots (SASS,
-// d = 128: 114 of a tile's 625 instructions came before its first PV MMA).
+// ~10 instructions each of address masking, shifts and moves on the warp's issue slots (v17,
+// docs/history/README.md).
 __device__ __forceinline__ uint32_t smem_desc_lo(const void* tile) {
   return ((smem_addr(tile) & 0x3FFFF) >> 4)  // start address
          | (1u << 16);                        // leading byte offset (unused)

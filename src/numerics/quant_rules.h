@@ -62,8 +62,8 @@ constexpr int32_t kIntRowMaxBias = int32_t{1} << 24;
 // P's scale in the exponent (docs/numerics.md, step 6, "P's scale in the exponent"): on the
 // two-level E4M3 path (sage2_8b's), the integer row max yields P~ * p_scale straight from
 // exp2, with k = log2(p_scale) added to the exponent rather than a multiply per score. The
-// other integer row max recipes keep the multiply: SageAttention2++'s fp16x2 path lost up to
-// 10% at d = 64 with the add (docs/history/README.md, v25); fp16 and INT8 P were not measured.
+// other integer row max recipes keep the multiply: SageAttention2++'s fp16x2 path lost at
+// d = 64 with the add (v25c, docs/history/README.md); fp16 and INT8 P were not measured.
 inline bool p_scale_in_exponent(const Recipe& r) {
   return integer_row_max(r) && r.pv_format == PVFormat::e4m3 && r.pv_accum == PVAccum::two_level;
 }
@@ -73,9 +73,8 @@ inline bool p_scale_in_exponent(const Recipe& r) {
 // 256): there c + k is exact for the group holding the row max (c = -2^24 mult, a multiple
 // of ulp(c) <= 2^tz(k), from mult >= k 2^-24 up), so its max key keeps P~ = 1 exactly. +inf for
 // k = 0 (fp16 P: adding 0), 0 (never) for a p_scale that is no power of two (k rounded) and
-// below head dim 128: there the consumer warps have 128 registers, and the fold's extra live
-// values made ptxas spill (80 -> 196 bytes; a per-row form of the fold lost 4-14% kernel time
-// at d = 64, docs/history/README.md, v25b), while the add alone gained 0-2.5% (v25).
+// below head dim 128: there the fold's extra live values made ptxas spill, while the add
+// alone gained (v25, v25b in docs/history/README.md).
 struct PScaleFold {
   float k = 0.f;           // log2(p_scale) as a float (exact for a power of two)
   float mult_limit = 0.f;  // a group folds k into its offset iff mult < mult_limit
@@ -96,10 +95,10 @@ SAGE_HD bool p_scale_folds(float mult, float mult_limit) { return mult < mult_li
 // The row sum from the PV MMA (RowSum::pv_mma, docs/numerics.md step 6): from head dim 128
 // the PV MMA multiplies P with one more V channel of ones, so the row sum is the quantized P
 // accumulated as the output is (step 9's FP8 k32 steps, then two-level) and the softmax's
-// float sum of P~ (one FADD per score, the issue slots that bind the kernel) goes away:
-// +1.8% .. +4.7% kernel time at d = 128 (docs/history/README.md, v26). Below, the recipe sums the
-// unquantized P~ as float_p does: at d = 64 the n = 72 MMA's extra registers made ptxas spill
-// and the kernel lost 4-12% (v19d). Only E4M3 P with two-level accumulation has such a kernel.
+// float sum of P~ (one FADD per score, the issue slots that bind the kernel) goes away (v26,
+// docs/history/README.md). Below, the recipe sums the unquantized P~ as float_p does: at
+// d = 64 the n = 72 MMA's extra registers made ptxas spill (v19d). Only E4M3 P with two-level
+// accumulation has such a kernel.
 constexpr int kRowSumMmaMinHeadDim = 128;
 inline bool row_sum_in_pv_mma(const Recipe& r, int head_dim) {
   return r.row_sum == RowSum::pv_mma && r.pv_format == PVFormat::e4m3 &&
@@ -129,7 +128,7 @@ constexpr double kFp16x2MaxRangeProduct = 65504.0 / 64.0;
 constexpr int kMaxKMeanStride = 1 << 20;
 // The static P scale a recipe gets without p_range: the format max, except E4M3's 256 (not
 // the paper's 448). A power of two quantizes P~ on the same relative grid as 448 (equally
-// accurate on the simulator: docs/performance.md, next steps 4) and, with the integer row max,
+// accurate on the simulator: docs/numerics.md, step 7) and, with the integer row max,
 // enters the exponent exactly (p_scale_fold: no multiply per score).
 inline float p_default_max(PVFormat f) { return f == PVFormat::e4m3 ? 256.f : pv_format_max(f); }
 // Static P scaling (the softmax numerator P~ is in [0, 1]): P~ * p_static_max is quantized;

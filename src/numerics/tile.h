@@ -26,8 +26,8 @@ struct TileConfig {
 };
 
 // Consumer warpgroups of 64 Q rows per CTA of the Hopper kernel. Three at d = 64, two at
-// d = 128: the consumer warps' softmax waits on latency with two warps per scheduler (ncu,
-// docs/performance.md), and at d = 64 the accumulators are small enough for a third warpgroup
+// d = 128: the consumer warps' softmax waits on latency with two warps per scheduler (v18,
+// docs/design.md), and at d = 64 the accumulators are small enough for a third warpgroup
 // (160 registers each over 512 threads; FlashAttention-3 runs 192-row tiles there too). At
 // d = 128, O, the PV product, S and P alone need ~210 registers.
 constexpr SAGE_HD int consumer_warpgroups(int head_dim) { return head_dim <= 64 ? 3 : 2; }

@@ -26,12 +26,11 @@ constexpr int kThreads = 256;
 // Rank 0 combines the CTAs' sums and extremes through distributed shared memory in rank order
 // (deterministic, no atomics) and writes the head's finals, so that a quantize CTA reads a few
 // floats per channel instead of reducing partials.
-// (v8 wrote per-chunk partials that every quantize CTA of the head reduced again: L2 reads
-// growing as N^2, 1.4 ms of pre-pass at d = 128, N = 16K on the H100 against 0.86 ms at 1K.)
+// (v8's per-chunk partials, reduced again by every quantize CTA of the head, grew the L2
+// reads as N^2: docs/design.md, the K/V pre-pass.)
 constexpr int kStatsCtas = 8;  // the most CTAs per head (the portable cluster size)
 // Heads of at most this many tokens get half as many CTAs (a second instantiation): at N = 1K,
-// 8 per head made 15 waves of short CTAs, and 4 took 6% off the pre-pass at N = 1K (both head
-// dims) and at d = 64, 2K (docs/history/README.md, v30).
+// 8 per head made 15 waves of short CTAs (v30, docs/history/README.md).
 constexpr int kStatsHalfClusterMaxN = 2048;
 int stats_ctas(int n_kv) { return n_kv <= kStatsHalfClusterMaxN ? kStatsCtas / 2 : kStatsCtas; }
 // The CTAs of a cluster that read K: a share of the cluster as K's sampled rows are of the
@@ -42,8 +41,8 @@ int stats_k_ctas(int k_mean_stride, int ctas) {
   return k < 1 ? 1 : k > ctas / 2 ? ctas / 2 : k;
 }
 
-// Rows in flight per thread: 8 (60 registers, still four CTAs per SM) against 4 took the
-// pre-pass from 0.371 to 0.358 ms at d = 128, N = 1K (H200, v20, same-run A/B).
+// Rows in flight per thread: 8 (60 registers, still four CTAs per SM) rather than 4 (v20b,
+// docs/history/README.md).
 constexpr int kStatsUnroll = 8;
 enum StatsRow : int { kSum = 0, kMax, kMin, kStatsRows };
 
@@ -98,8 +97,8 @@ struct ChannelStats {
 // The CTA's per-thread statistics combined in a fixed order, so that repeated calls are
 // bit-identical: cta_stats[s][c] for s in StatsRow. The lanes of a warp that hold the same
 // channels combine by shuffles first, then thread c < D takes the warps' rows from `red`: one
-// round of shared memory for the three statistics, where until v20 a round per statistic over
-// every thread row put ~50 dependent shared loads on each CTA's path. Every thread calls it.
+// round of shared memory for the three statistics, not a chain of dependent shared loads per
+// statistic (v20b). Every thread calls it.
 constexpr int kWarps = kThreads / 32;
 template <int D, class T>
 __device__ __forceinline__ void combine_cta_stats(const ChannelStats<T>& st, int lane_c,
@@ -139,7 +138,7 @@ __device__ __forceinline__ void combine_cta_stats(const ChannelStats<T>& st, int
 
 // Four CTAs per SM: at d = 128, N = 16K the grid (8 CTAs for each of 64 heads) is one wave.
 // Ctas (stats_ctas) CTAs per cluster, a compile-time size: as a launch attribute with a
-// run-time loop bound, the 8-CTA form cost 1-3% of the pre-pass (v30's first form).
+// run-time loop bound it slowed the pre-pass (v30, docs/history/README.md).
 template <int D, class T, int Ctas>
 __global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
     kv_stats_kernel(const KVQuantParams p) {
@@ -166,8 +165,8 @@ __global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
   st.init();
   // The CTAs of one tensor interleave by kRowsPerIter rows, so that they stream neighbouring
   // memory at the same time; each thread keeps kStatsUnroll loads in flight, the last round's
-  // too (as a loop of single loads, a thread with 5 rows waited for 5 round trips in a row:
-  // d = 64, N = 1K, 7 V CTAs).
+  // too (as a loop of single loads, a thread waited for one round trip per row, one after
+  // another: v29).
   const int first = (is_v ? rank - k_ctas : rank) * kRowsPerIter + r0;
   for (int t = first; t < rows; t += kStatsUnroll * step) {
     uint4 raw[kStatsUnroll];
@@ -220,8 +219,8 @@ __global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
     p.out.k_mean[head * D + c] = km;
     p.out.v_mean[head * D + c] = vm;
     // The largest over the channels (per-tensor scales) by a shuffle tree: max is exact in
-    // any order, and one thread looping over D shared values (until v20) kept the cluster
-    // waiting ~D dependent loads.
+    // any order, and one thread looping over D shared values kept the cluster waiting ~D
+    // dependent loads (v20b).
     float mk = kamax, mv = vamax;
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) {
@@ -271,7 +270,7 @@ __device__ __forceinline__ uint32_t encode_v_pair(float lo, float hi) {
 // Writes the transposed tile (D rows of kBlockKV * VBytes bytes, VBytes * kVtPitch8 apart in
 // shared memory) to its place in the workspace's [B, Hkv, D, n_pad] V. The element size is a
 // template parameter: as a run-time value, each 32-bit word's row and column took an integer
-// division and a remainder, ~8% of the quantize kernel's instructions (ncu, H200, v21b).
+// division and a remainder (v21b, docs/history/README.md).
 template <int D, int VBytes>
 __device__ __forceinline__ void store_vt_tile(const KVQuantParams& p, int b, int h, int tile,
                                               const uint8_t* s_vt) {
@@ -292,8 +291,8 @@ __device__ __forceinline__ void store_vt_tile(const KVQuantParams& p, int b, int
 // ---- pass 2: quantize ----------------------------------------------------------------------
 // Two CTAs per 128-token tile, one for K and one for V (blockIdx.x = 2 * tile + is_v). Each
 // holds only its own tensor's rows in registers, all loads issued first: 64 registers per
-// thread at d = 128 where one CTA for both took 126, so three CTAs per SM instead of two (that
-// v8 kernel ran at 39% of DRAM bandwidth, ncu, H100, d = 128, N = 1K).
+// thread at d = 128 where one CTA for both took 126 and fit fewer CTAs per SM (v9,
+// docs/design.md).
 // kFull: n_kv is a multiple of kBlockKV, so no token of the tile is padding and the
 // per-element padding tests go (kv_quantize_kernel).
 template <int D, class T, bool kFull>
@@ -322,8 +321,7 @@ __device__ __forceinline__ void quantize_k_tile(const KVQuantParams& p, int tile
   if (threadIdx.x < D) s_kmean[threadIdx.x] = p.out.k_mean[head * D + threadIdx.x];
   __syncthreads();
   // The thread's eight channel means, as two 16-byte loads where they are used: read one float
-  // at a time, they were 16 shared loads per row (four-way bank conflicts), the kernel's
-  // largest share of shared-memory wavefronts (ncu, H200).
+  // at a time, they were 16 shared loads per row with four-way bank conflicts (v18b).
   auto kmean8 = [&](float (&km)[8]) {
     const float4 a = *reinterpret_cast<const float4*>(&s_kmean[lane_c * 8]);
     const float4 c = *reinterpret_cast<const float4*>(&s_kmean[lane_c * 8 + 4]);
@@ -392,7 +390,7 @@ __device__ __forceinline__ void quantize_k_tile(const KVQuantParams& p, int tile
   } else if (threadIdx.x < 32) {
     // One warp reduces the kRowsPerIter (16 or 32) entries (max is exact in any order): lane
     // l takes entry l, whose rows lie in thread group (l % 8) / 2, as do lanes l ^ 1, l ^ 8 and
-    // l ^ 16. (Until v11 four threads each scanned all 128 rows while the CTA waited.)
+    // l ^ 16, where a few threads scanning all 128 rows kept the CTA waiting (v12).
     static_assert(kKVTile == 128 && kKScalesPerTile == 4 && kRowsPerIter <= 32 &&
                       kRowsPerIter % 8 == 0, "lane map");
     const int lane = threadIdx.x;
@@ -424,8 +422,7 @@ __device__ __forceinline__ void quantize_k_tile(const KVQuantParams& p, int tile
   // tensor the statistics pass's max(max - mean, mean - min), which rounding's monotonicity
   // makes the same bound). Per value an FMUL and an FADD, and three byte permutes per four
   // values, where rintf, the two-sided clamp, the float-to-int conversion and the shifts into
-  // place took about seven: this kernel issues rather than waits on DRAM (ncu, H200, d = 128,
-  // N = 1K: 63% issue active, DRAM 52%).
+  // place took about seven in a kernel bound by issue, not DRAM (v18b, docs/history/README.md).
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     const int r = r0 + i * kRowsPerIter;
@@ -473,9 +470,8 @@ static_assert(quad_tokens_match(), "quad_token_base agrees with pv_token_at_posi
 // four codes as one 32-bit word (fp16: 64 bits). At d = 128 a warp takes 8 quads x 4 channel
 // chunks, so with the 33-word pitch the 32 words of one store land in 32 banks (bank =
 // channel + quad); at d = 64 it takes 4 quads x all 8 chunks (2-way conflicts), so that each
-// load reads whole 128-byte rows: half rows measured 11% slower there (H100, 2026-11-23).
-// (Until v11 each thread stored single bytes of one token's channels: 4x the shared-memory
-// stores, 4-way bank conflicts.)
+// load reads whole 128-byte rows (half rows were slower there). Single bytes per token took
+// 4x the shared-memory stores, with 4-way bank conflicts (v12, docs/history/README.md).
 template <int D, class T, VFormat F, bool kFull>
 __device__ __forceinline__ void quantize_v_tile(const KVQuantParams& p, int tile, int h,
                                                 int b, uint8_t* s_vt) {
@@ -642,9 +638,8 @@ void launch_kv_prepass(const KVQuantParams& p, cudaStream_t stream) {
     return;
   }
   KVQuantParams q = p;
-  // Set here, not in the kernel: the first form divided in every CTA before its first load
-  // and, with a loop of single loads for the last round, cost the pre-pass 2-6% at stride 1
-  // (docs/history/README.md, v29).
+  // Set here, not in the kernel: a division in every CTA before its first load slowed the
+  // pre-pass (v29, docs/history/README.md).
   q.k_mean_samples = int(rules::k_mean_samples(p.n_kv, p.k_mean_stride));
   const int ctas = stats_ctas(p.n_kv);
   q.stats_k_ctas = stats_k_ctas(p.k_mean_stride, ctas);

@@ -3,12 +3,10 @@
 // memory.
 //
 // Why through shared memory: straight from the accumulator layout every thread wrote 32
-// four-byte pieces per item (d = 128), each warp store touching eight rows. The LSU drained
-// them slowly, every following address computation waited for the store before it to read
-// its registers, and the epilogue took 18% of the consumer warps' stall samples at N = 1K
-// (ncu, H100, d = 128, v13). Here `stmatrix` puts the warp's tile into shared memory (one
-// instruction per four 8x8 pieces) and each lane then writes whole 16-byte pieces of rows:
-// a warp store covers four full 128-byte row segments.
+// four-byte pieces per item (d = 128), each warp store touching eight rows, and the epilogue
+// waited on the LSU (v13, docs/history/README.md). Here `stmatrix` puts the warp's tile into
+// shared memory (one instruction per four 8x8 pieces) and each lane then writes whole 16-byte
+// pieces of rows: a warp store covers four full 128-byte row segments.
 //
 // The staging buffer is the warp's own 16 rows of its warpgroup's Q tile (16 x D bytes): the
 // item's QK MMAs, its only readers, have completed, and the next item's prologue rewrites it.
@@ -40,8 +38,8 @@ __device__ __forceinline__ void store_output_rows(const float (&o)[D / 2], const
   const int t = lane % 4;
   // The channel scales and means of columns 8j + 2t, +1, all requested before the first use
   // (loaded where used, each multiply waited for its load). Loaded here, not by the caller:
-  // as kernel-side arrays filled right after the last PV MMA they spilled 744 bytes of the
-  // d = 128 kernel (ptxas) and cost 5-8% there (docs/history/README.md, v13).
+  // as kernel-side arrays filled after the last PV MMA they spilled the d = 128 kernel (v13,
+  // docs/history/README.md).
   float2 vs[D / 8], vm[D / 8];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) {

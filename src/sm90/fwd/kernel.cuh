@@ -34,7 +34,7 @@ namespace sage::sm90 {
 // recomputed per item from an opaque copy of the thread index: left loop-invariant, the
 // compiler hoisted everything the prologue and epilogue derive from them (Q and output
 // addresses, swizzled offsets) out of the item loop, where they stayed live through the K/V
-// loop and spilled it (ptxas, d = 128: 72 bytes).
+// loop and spilled it at d = 128 (v11).
 template <class K>
 __device__ __forceinline__ ConsumerItem consumer_item(const AttentionParams& p, const Mask& mask,
                                                       int w, int group_size) {
@@ -58,7 +58,8 @@ __device__ __forceinline__ ConsumerItem consumer_item(const AttentionParams& p, 
 
 // The head's K scales and V scales/means are a few KiB that the quantize pass wrote long
 // before (its K/V output has evicted them from L2): every 128-byte line of K scales cost the
-// CTA a DRAM round trip inside its loop (ncu stall samples). Asked for now, under the Q load.
+// CTA a DRAM round trip inside its loop (v9 knobs, docs/history/README.md). Asked for now,
+// under the Q load.
 template <class K>
 __device__ __forceinline__ void prefetch_item_scales(const AttentionParams& p, const ConsumerItem& c) {
   constexpr int D = K::D;

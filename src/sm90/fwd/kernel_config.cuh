@@ -12,9 +12,9 @@ namespace sage::sm90 {
 
 // T: the output dtype (and the input dtype of fp16/bf16 Q). Path: the PV operand policy.
 // KS: the K scale policy. SmoothQ: Q smoothing's per-tile dS work; a compile-time choice
-// because as a run-time branch it cost the recipes without it ~5% at N = 16K. WithQStage: the
-// instantiation with the Q stage (q_stage.cuh), a second one because its code cost the kernel
-// without it 1-4% (docs/design.md).
+// because as a run-time branch it slowed the recipes without it (v6-v7). WithQStage: the
+// instantiation with the Q stage (q_stage.cuh), a second one because its code slowed the
+// kernel where the stage is not used (v23). Both in docs/history/README.md.
 template <int D_, class T_, PVPath Path_, KScales KS_, bool SmoothQ_, bool WithQStage_>
 struct KernelConfig {
   static constexpr int D = D_;

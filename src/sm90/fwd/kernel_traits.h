@@ -90,7 +90,8 @@ constexpr KernelTraits kernel_traits(int head_dim, Variant v) {
   t.consumers = consumer_warpgroups(head_dim);
   t.threads = 128 * (1 + t.consumers);
   // 3: the pipelined consumers hold two stages (tile i's K, tile i-1's V), so the producer
-  // runs one K/V tile ahead of them (deeper rings measured no faster: v18-v19 in docs/history/README.md).
+  // runs one K/V tile ahead of them (deeper rings were no faster: v15, v19g in
+  // docs/history/README.md).
   t.stages = 3;
   t.launch_regs = 65536 / t.threads / 8 * 8;
   t.producer_regs = 24;

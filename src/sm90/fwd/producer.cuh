@@ -51,7 +51,7 @@ struct Producer {
   // k - 2 there. The next item's TMA load is issued as soon as this one's raw tile has been
   // read, so it lands while the consumers still run this item. The consumers quantize a CTA's
   // first item themselves: staged, it waited for a TMA round trip and 96 threads'
-  // quantization with nothing else to do (-2% to -7% kernel where CTAs run one or two items).
+  // quantization with nothing else to do (v23, docs/history/README.md).
   __device__ __forceinline__ static void run_q_stage(const CUtensorMap* tma_q, const AttentionParams& p, Storage& s,
                                      CtaSlots mine) {
     using Stage = QStage<D, typename K::T>;

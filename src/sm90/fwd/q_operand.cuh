@@ -9,8 +9,9 @@
 //
 // Why shared memory and not register A fragments: with Q held in registers across the K/V
 // loop, ptxas (CUDA 13.0) reused those registers for scores and P inside the loop, so every
-// tile after the first multiplied by the wrong operand (seen in SASS, 2026-11-22). Reading
-// Q through a descriptor leaves nothing loop-carried in registers.
+// tile after the first multiplied by the wrong operand (seen in SASS: v1,
+// docs/history/README.md). Reading Q through a descriptor leaves nothing loop-carried in
+// registers.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -47,7 +48,7 @@ struct QOperand {
     float x[kChunks][2][2][4];  // [k slice][half][row][4 channels]
     float amax[2] = {0.f, 0.f};
     // Two whole loops rather than a test per load: with the branch inside, the loads were no
-    // longer issued back to back (measured: the short-N whole call lost ~10%).
+    // longer issued back to back (v6-v7, docs/history/README.md).
     if (prequantized) {  // INT8 codes: q_head really points at int8
       const int8_t* q8 = reinterpret_cast<const int8_t*>(q_head);
 #pragma unroll
@@ -66,8 +67,8 @@ struct QOperand {
     } else {
       // All 16 loads are issued before any value is used: a row past n_q reads row n_q - 1 (a
       // valid address) and is zeroed after. (Predicated per row, ptxas put the last load
-      // behind a branch after the other loads' uses: a second L2 round trip per item, ncu,
-      // H100, d = 128, N = 1K, v16 in docs/history/README.md.)
+      // behind a branch after the other loads' uses: a second L2 round trip per item; v16,
+      // docs/history/README.md.)
       const bool valid[2] = {rows[0] < p.n_q, rows[1] < p.n_q};
       const T* row_ptr[2];
 #pragma unroll
@@ -160,9 +161,10 @@ struct QOperand {
     // Codes by round_to_low_bits (ptx.cuh): the low byte of the product rounded to nearest
     // even, in two's complement. No clamp is needed for the codes of rules::round_clamp: each
     // value is at most its group's amax in magnitude, so |x * inv| <= q_max (1 + 2^-23)^2
-    // rounds into [-q_max, q_max] (prequantized codes: inv = 1, exact, -128 included). Finite inputs only, as the simulator. Per value an FMUL and an
-    // FADD, and three byte permutes per four values, where rintf, the two-sided clamp and the
-    // float-to-int conversion took four instructions beside the FMUL (v16).
+    // rounds into [-q_max, q_max] (prequantized codes: inv = 1, exact, -128 included). Finite
+    // inputs only, as the simulator. Per value an FMUL and an FADD, and three byte permutes per
+    // four values, where rintf, the two-sided clamp and the float-to-int conversion took four
+    // instructions beside the FMUL (v16).
     const uint32_t s_q_addr = smem_addr(s_q);
     const int warp_row0 = 16 * (consumer_warp % 4) + frag::group_of_lane(lane);
 #pragma unroll

@@ -2,14 +2,12 @@
 // one item ahead of the consumers, so that a consumer item starts with a barrier wait instead
 // of the Q prologue (q_operand.cuh).
 //
-// Why: at short N the prologue is a large share of the attention kernel. Run only in a CTA's
-// first item (a timing probe), the d = 128 kernel was 10.9% / 6.3% / 2.6% faster at N = 1K /
-// 2K / 4K, with both consumer warpgroups off the tensor cores while it runs
-// (docs/history/README.md, session 16). v14 moved the same work to these warps before and lost
-// 10-46%: each of its threads loaded Q from global memory itself, one 16-byte load in flight in
-// its 24 registers, and spilled. Here one thread loads the whole tile with TMA (the fp16/bf16
-// rows, 128B swizzle) and the warps work from shared memory to shared memory in a few
-// registers per value.
+// Why: at short N the prologue is a large share of the attention kernel, with both consumer
+// warpgroups off the tensor cores while it runs (session 16's probe and v23 in
+// docs/history/README.md). v14 gave these warps the same work and lost: each thread loaded Q
+// from global memory itself, one 16-byte load in flight in its 24 registers, and spilled.
+// Here one thread loads the whole tile with TMA (the fp16/bf16 rows, 128B swizzle) and the
+// warps work from shared memory to shared memory in a few registers per value.
 //
 // The codes and scales are the consumer path's bits: the same group maxima (a maximum is
 // exact in the input type), the same rules:: scale and inverse, the same rounding

@@ -3,7 +3,7 @@
 //
 // The row max and row sum run as four interleaved chains per row instead of one serial chain
 // of 32, so that a warp does not wait on its own FMNMX/FADD latency (the softmax is most of a
-// consumer warp's issue slots per tile: ncu, H100, d = 128).
+// consumer warp's issue slots per tile: v8, docs/history/README.md).
 #pragma once
 
 #include <cstdint>
@@ -35,12 +35,11 @@ struct OnlineSoftmax {
   // kSum: false where the PV MMA takes the row sum (RowSum::pv_mma; pv_operand.cuh): no sums,
   // `sum` is left as it is.
   //
-  // Not done, measured: folding the logit multiplier into one FFMA with the subtraction
-  // (exact before its rounding where the simulator rounds the logit first) lost whole rows
-  // of P near the fp16 limit of Q and K (logits ~1e10, half an ulp of the max is 2^12), and
-  // guarding it with a per-warp vote and a second loop made the kernel slower than without
-  // the fold (H200: 661 vs 708 TOPS at d = 128, N = 16K). Folding p_max into the exponent
-  // moved INT8 P codes enough to shift INT-FlashAttention's LSE by 4e-3.
+  // Not done (v8a, docs/history/README.md): the logit multiplier folded into one FFMA with
+  // the subtraction (exact before its rounding where the simulator rounds the logit first)
+  // lost whole rows of P near the fp16 limit of Q and K (logits ~1e10, half an ulp of the max
+  // is 2^12), and a form guarded by a per-warp vote was slower than no fold. p_max folded into
+  // the exponent moved INT8 P codes enough to shift INT-FlashAttention's LSE by 4e-3.
   template <bool kSum = true>
   __device__ __forceinline__ void update(float (&s)[kAcc], float p_max, float (&alpha)[2],
                                          float (&sum)[2]) {
@@ -98,16 +97,15 @@ struct OnlineSoftmax {
   // P's scale (p_max), by mode (PScaleMode, chosen per PV path and head dim by the kernel;
   // rules::p_scale_in_exponent and rules::p_scale_fold say the same for the simulator):
   //   multiply  P~ * p_max = ex2(x) * p_max, one multiply per score (the other PV paths: in
-  //             the exponent SageAttention2++'s path lost up to 10% at d = 64, v25);
+  //             the exponent SageAttention2++'s path lost at d = 64, v25c);
   //   add       ex2(x + k), k = log2(p_max) (fold_k): the add where the multiply was;
   //   fold      a thread whose multiplier is below fold_mult_limit (rules::p_scale_folds, as
   //             the simulator decides it per thread group) adds k to its offsets once, any
   //             other adds k to each exponent. The fold depends on mult alone, so its warp
   //             vote runs beside the max reduction, off the softmax's chain. Four loops, all
   //             before the exps: with the exps inside the branches ptxas issued the 64 MUFUs
-  //             in one burst and lost 10-19% (docs/history/README.md, v25). (Sharing the folding
-  //             warp's two loops with multiply and add's, the same code, changed ptxas's d =
-  //             128 schedule; this is the measured form.)
+  //             in one burst (v25a, docs/history/README.md). The folding warp's two loops
+  //             repeat multiply and add's: shared, they changed ptxas's d = 128 schedule.
   template <PScaleMode kMode, bool kSum = true>
   __device__ __forceinline__ void update_from_int(const int32_t (&acc)[kAcc], float mult,
                                                   bool masked_tile, float p_max, float fold_k,

@@ -29,13 +29,13 @@
 //     per_cta items.
 // With the consecutive order at d = 128, N = 1K (8 items per CTA) the resident CTAs work on
 // as many heads as there are SMs, 35 MB of K/V, and re-read much of it from DRAM for every
-// item (ncu, H100: 2.17 GB read against 0.54 GB of Q, K and V).
+// item (v13a, docs/history/README.md).
 // Every order runs a CTA's slots as begin, begin + slot_step, ... below end (cta_slots), an
 // arithmetic sequence like the item loops had before the strided order: written as a
 // next-slot function with a branch for the causal units' halves, the same loops moved ptxas's
-// K/V loop schedule and lost 2% at d = 128, N = 16K where nothing else changed (H200 A/B,
-// docs/history/README.md, v28). So under a causal mask CTA c's k-th slot is k ctas + c, its unit
-// (k / 2) ctas + c and its half k % 2 (heavy tile first).
+// K/V loop schedule and lost time where nothing else changed (v28, docs/history/README.md).
+// So under a causal mask CTA c's k-th slot is k ctas + c, its unit (k / 2) ctas + c and its
+// half k % 2 (heavy tile first).
 #pragma once
 
 #include <cstdint>
