@@ -8,6 +8,7 @@ the same kind as their inputs (NumPy in, NumPy out; torch in, torch out).
 the recipe's backward (sagebwd, docs/numerics.md "The backward") and float64 gradients.
 """
 
+import numbers
 import sys
 from typing import Any, Optional, Tuple
 
