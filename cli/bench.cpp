@@ -298,7 +298,7 @@ int run_bench(const std::vector<std::string>& args) {
   }
   BenchConfig c;
   c.recipes = flags.choices("recipe", "sage2_8b", names);
-  c.dims = flags.integers("d", built_gpu_head_dims(), 1, 1024);
+  c.dims = flags.integers("d", gpu_head_dim_list(), 1, 1024);
   const std::string causal = flags.choice("causal", "both", {"no", "yes", "both"});
   c.causal = causal == "both" ? std::vector<std::string>{"no", "yes"}
                               : std::vector<std::string>{causal};

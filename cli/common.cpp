@@ -12,7 +12,6 @@
 #include <sstream>
 
 #include "sage/attention.h"
-#include "sm90/fwd/kernel_traits.h"
 
 namespace sage::cli {
 
@@ -322,19 +321,6 @@ std::string build_description() {
 #else
   return "CUDA off, configured with -DSAGE_CUDA=OFF";
 #endif
-}
-
-std::vector<int64_t> built_gpu_head_dims() {
-  std::vector<int64_t> dims;
-  std::istringstream is(sage::gpu_head_dims());
-  std::string item;
-  while (std::getline(is, item, ',')) dims.push_back(std::stoll(item));
-  if (dims.empty()) {
-#define SAGE_SUPPORTED_DIM(D) dims.push_back(D);
-    SAGE_SUPPORTED_HEAD_DIMS(SAGE_SUPPORTED_DIM)
-#undef SAGE_SUPPORTED_DIM
-  }
-  return dims;
 }
 
 }  // namespace sage::cli

@@ -142,8 +142,4 @@ int run_docs(const std::vector<std::string>& args);
 // could be used, so the reader sees whether the build or the machine is missing.
 std::string build_description();
 
-// The head dims this build has GPU kernels for (sage::gpu_head_dims()); a build without CUDA
-// has none, so it gives the list the kernels support (sm90/fwd/kernel_traits.h).
-std::vector<int64_t> built_gpu_head_dims();
-
 }  // namespace sage::cli

@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <optional>
+#include <vector>
 
 #include "sage/error.h"
 #include "sage/recipe.h"
@@ -94,6 +95,9 @@ bool gpu_supports(const Recipe& recipe);
 bool gpu_available();
 // The head dims this build instantiated kernels for (a build option restricts them).
 const char* gpu_head_dims();
+// The same as numbers; a build without CUDA gives the head dims the kernels support (those a
+// CUDA build of this source has by default).
+std::vector<int64_t> gpu_head_dim_list();
 
 // ---- CPU references ----------------------------------------------------------------------
 

@@ -25,7 +25,9 @@ namespace {
 constexpr int64_t kGpuHeadDims[] = {SAGE_SUPPORTED_HEAD_DIMS(SAGE_HEAD_DIM_ENTRY)};
 #undef SAGE_HEAD_DIM_ENTRY
 
-std::vector<int64_t> gpu_head_dims_of_build() {
+}  // namespace
+
+std::vector<int64_t> gpu_head_dim_list() {
   std::vector<int64_t> dims;
   std::istringstream is(gpu_head_dims());
   std::string item;
@@ -33,6 +35,8 @@ std::vector<int64_t> gpu_head_dims_of_build() {
   if (dims.empty()) dims.assign(std::begin(kGpuHeadDims), std::end(kGpuHeadDims));
   return dims;
 }
+
+namespace {
 constexpr int64_t kCpuMaxHeadDim = 256;
 
 std::string join(const int64_t* v, int n) {
@@ -233,7 +237,7 @@ Problem check_args(const AttentionArgs& a, DeviceKind device) {
   } else {
     bool supported = false;
     std::string list;
-    for (int64_t d : gpu_head_dims_of_build()) {
+    for (int64_t d : gpu_head_dim_list()) {
       supported = supported || d == q.head_dim;
       list += (list.empty() ? "" : ", ") + num(d);
     }

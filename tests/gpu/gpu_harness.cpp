@@ -569,12 +569,4 @@ void expect_cases_within_bounds(const std::vector<GpuCase>& cases) {
   for (size_t i = 0; i < cases.size(); ++i) expect_within_bounds(cases[i], results[i]);
 }
 
-std::vector<int64_t> built_head_dims() {
-  std::vector<int64_t> dims;
-  std::istringstream is(gpu_head_dims());
-  std::string item;
-  while (std::getline(is, item, ',')) dims.push_back(std::stoll(item));
-  return dims;
-}
-
 }  // namespace sage::testing

@@ -81,9 +81,6 @@ GpuResult run_gpu_case(const GpuCase& c, bool compute_references = true);
 // ending the batch. Results are in the order of `cases`.
 std::vector<GpuResult> run_gpu_cases(const std::vector<GpuCase>& cases);
 
-// The head dims this build has kernels for (sage::gpu_head_dims(), a subset of
-// sm90/fwd/kernel_traits.h's list), so that the tests cover every one and no other.
-std::vector<int64_t> built_head_dims();
 // run_gpu_cases, then expect_within_bounds on each case in order.
 void expect_cases_within_bounds(const std::vector<GpuCase>& cases);
 

@@ -114,7 +114,7 @@ TEST(Sm90Attention, BatchLayoutsDtypesHeadDims) {
     for (int64_t batch : {1, 3})
       for (Layout layout : {Layout::HND, Layout::NHD})
         for (DType dt : {DType::f16, DType::bf16})
-          for (int64_t d : built_head_dims()) {
+          for (int64_t d : gpu_head_dim_list()) {
             GpuCase c = base;
             c.batch = batch, c.layout = layout, c.dtype = dt, c.head_dim = d;
             c.n_q = 150, c.n_kv = 333, c.heads_q = 4, c.heads_kv = 2;
@@ -159,7 +159,7 @@ TEST(Sm90Attention, SyntheticDistributions) {
 TEST(Sm90Attention, PScaleInTheExponentOffThePresets) {
   SAGE_REQUIRE_GPU();
   std::vector<GpuCase> cases;
-  for (int64_t d : built_head_dims())
+  for (int64_t d : gpu_head_dim_list())
     for (bool causal : {false, true}) {
       GpuCase c;
       c.head_dim = d, c.causal = causal, c.n_q = 200, c.n_kv = 300, c.seed = uint64_t(d + causal);
@@ -500,7 +500,7 @@ TEST(Sm90Sanitize, ChainedWorkItems) {
   for (const auto order : {sm90::WorkOrderOverride::grouped, sm90::WorkOrderOverride::strided}) {
     PinnedWorkItems chained(order == sm90::WorkOrderOverride::strided ? 4 : 3, order);
     expect_cases_within_bounds(for_every_variant([](const GpuCase& base, std::vector<GpuCase>& out) {
-      for (int64_t d : built_head_dims()) {
+      for (int64_t d : gpu_head_dim_list()) {
         GpuCase c = base;
         c.heads_q = 4, c.heads_kv = 2, c.n_q = 700, c.n_kv = 300, c.causal = true, c.head_dim = d;
         out.push_back(c);
