@@ -124,6 +124,8 @@ int run_check(const std::vector<std::string>& args) {
                                                  "of the preset's choice"},
        {"k-mean-stride", "S", "take K smoothing's mean over every S-th key (1: every key), "
                               "instead of the preset's stride (recipes that smooth K)"},
+       {"qk-channel-balance", "", "migrate scale between Q and K per channel before "
+                                  "quantizing them (simulator only; docs/numerics.md)"},
        {"backward", "", "the gradients dQ, dK, dV instead of the output (CPU; the recipes with "
                         "a backward: sagebwd)"},
        {"dp-format", "fp16|int8", "with --backward: dP = dO V^T in this format instead of the "
@@ -152,7 +154,7 @@ int run_check(const std::vector<std::string>& args) {
   if (flags.has("backward")) {
     if (device_flag == "gpu")
       throw UsageError("sage check: --backward runs on the CPU (no GPU backward exists yet)");
-    for (const char* f : {"p-range", "row-sum", "k-mean-stride"})
+    for (const char* f : {"p-range", "row-sum", "k-mean-stride", "qk-channel-balance"})
       if (flags.has(f)) throw UsageError(std::string("sage check: --") + f + " does not apply with --backward");
     return run_check_backward(flags, shape, json);
   }
@@ -165,7 +167,9 @@ int run_check(const std::vector<std::string>& args) {
                                   : "";
   const int64_t k_mean_stride =
       flags.has("k-mean-stride") ? flags.integer("k-mean-stride", 0, 1, int64_t(1) << 20) : 0;
+  const bool balance = flags.has("qk-channel-balance");
   std::string changed;
+  if (balance) changed += " qk_channel_balance";
   if (p_range > 0) changed += " p_range=" + std::to_string(p_range);
   if (k_mean_stride > 0) changed += " k_mean_stride=" + std::to_string(k_mean_stride);
   if (!row_sum.empty()) changed += " row_sum=" + row_sum;
@@ -178,6 +182,7 @@ int run_check(const std::vector<std::string>& args) {
       r.p_range = float(p_range);
     }
     if (k_mean_stride > 0) apply_k_mean_stride("sage check", r, k_mean_stride);
+    r.qk_channel_balance = r.qk_channel_balance || balance;
     if (!row_sum.empty())
       r.row_sum = row_sum == "quantized_p" ? RowSum::quantized_p
                   : row_sum == "pv_mma"    ? RowSum::pv_mma
@@ -188,6 +193,8 @@ int run_check(const std::vector<std::string>& args) {
   for (const std::string& name : recipes) checked_recipe(name);  // usage errors before any work
 
   bool on_gpu = false;
+  if (balance && device_flag == "gpu")
+    throw UsageError("sage check: --qk-channel-balance has no GPU kernel yet; use --device cpu");
   if (device_flag == "gpu") {
     if (!gpu_available())
       throw UsageError("sage check: --device gpu needs a CUDA GPU of compute capability 9.0, and "
@@ -195,7 +202,7 @@ int run_check(const std::vector<std::string>& args) {
                        "); use --device cpu or auto");
     on_gpu = true;
   } else if (device_flag == "auto") {
-    on_gpu = gpu_available();
+    on_gpu = !balance && gpu_available();  // the balance runs on the simulator only
   }
   if (!json.empty()) check_writable("sage check", "json", json);
 
@@ -257,6 +264,7 @@ int run_check(const std::vector<std::string>& args) {
             .str("dtype", "fp16");
         if (p_range > 0) r.integer("p_range", p_range);
         if (k_mean_stride > 0) r.integer("k_mean_stride", k_mean_stride);
+        if (balance) r.boolean("qk_channel_balance", true);
         if (!row_sum.empty()) r.str("row_sum", row_sum);
         return r;
       };

@@ -86,6 +86,10 @@ std::string qk_words(const Recipe& r, int head_dim) {
   if (r.smooth_q)
     os << " Q is smoothed: each Q tile's mean is subtracted, and its product with K is added "
           "back to the scores.";
+  if (r.qk_channel_balance)
+    os << " Scale migrates between Q and K per channel before quantization: q_c / s_c and "
+          "k_c * s_c with s_c a power of two near sqrt(max|Q_c| / max|K'_c|), so q . k is "
+          "unchanged (simulator only).";
   return os.str();
 }
 

@@ -24,7 +24,8 @@ bool is_default_recipe(const Recipe& r) {
          r.smooth_q == d.smooth_q && r.smooth_v == d.smooth_v &&
          r.pv_format == d.pv_format && r.p_scale == d.p_scale && r.v_scale == d.v_scale &&
          r.pv_accum == d.pv_accum && r.p_range == d.p_range && r.v_range == d.v_range &&
-         r.row_sum == d.row_sum && r.inputs == d.inputs;
+         r.row_sum == d.row_sum && r.inputs == d.inputs &&
+         r.qk_channel_balance == d.qk_channel_balance;
 }
 
 RecipeColumns recipe_columns(const Recipe& r) {

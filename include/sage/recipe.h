@@ -108,6 +108,12 @@ struct Recipe {
   int k_mean_stride = 8;
   bool smooth_q = false;  // subtract the per-Q-block mean; add back dS = mean(Q_blk) K^T
   bool smooth_v = false;  // subtract the mean of V over tokens; add it back to the output
+  // Per-channel migration of scale between Q and K before they are quantized (issue 35):
+  // q_c / s_c and k'_c * s_c, with s_c a power of two near sqrt(max|Q_c| / max|K'_c|) per
+  // (batch, KV head) over the group's Q heads and the smoothed K. q . k is unchanged, so it
+  // is exact in math; it keeps a few large-mean Q channels (Qwen2-like q/k biases) from setting
+  // every token's Q scale. Simulator only: no sm_90 kernel yet (gpu_supports is false).
+  bool qk_channel_balance = false;
   PVFormat pv_format = PVFormat::e4m3;
   PScale p_scale = PScale::static_max;
   VScale v_scale = VScale::per_channel;

@@ -147,7 +147,7 @@ const char* const kOptions[] = {"qk_format", "qk_granularity", "smooth_k", "k_me
                                 "v_scale",   "pv_accum",       "p_range",  "v_range",
                                 "row_sum",   "inputs",         "dv_format", "dp_format",
                                 "dq_format", "dk_format",      "bwd_p_granularity",
-                                "bwd_ds_granularity"};
+                                "bwd_ds_granularity", "qk_channel_balance"};
 
 // Sets one option; returns false for an unknown key.
 bool set_option(sage::Recipe& r, const std::string& key, const Value& v) {
@@ -157,6 +157,7 @@ bool set_option(sage::Recipe& r, const std::string& key, const Value& v) {
   else if (key == "k_mean_stride") r.k_mean_stride = parse_positive_int(key, v);
   else if (key == "smooth_q") r.smooth_q = parse_bool(key, v);
   else if (key == "smooth_v") r.smooth_v = parse_bool(key, v);
+  else if (key == "qk_channel_balance") r.qk_channel_balance = parse_bool(key, v);
   else if (key == "pv_format") r.pv_format = parse_enum<sage::PVFormat>(key, v);
   else if (key == "p_scale") r.p_scale = parse_enum<sage::PScale>(key, v);
   else if (key == "v_scale") r.v_scale = parse_enum<sage::VScale>(key, v);
@@ -187,7 +188,8 @@ bool same_options(const sage::Recipe& a, const sage::Recipe& b) {
          a.smooth_q == b.smooth_q && a.smooth_v == b.smooth_v && a.pv_format == b.pv_format &&
          a.p_scale == b.p_scale && a.v_scale == b.v_scale &&
          a.pv_accum == b.pv_accum && a.p_range == b.p_range && a.v_range == b.v_range &&
-         a.row_sum == b.row_sum && a.inputs == b.inputs && same_backward(a, b);
+         a.row_sum == b.row_sum && a.inputs == b.inputs &&
+         a.qk_channel_balance == b.qk_channel_balance && same_backward(a, b);
 }
 
 std::string option_list() {
@@ -356,6 +358,7 @@ nb::dict recipe_to_dict(const sage::Recipe& r) {
   d["k_mean_stride"] = r.k_mean_stride;
   d["smooth_q"] = r.smooth_q;
   d["smooth_v"] = r.smooth_v;
+  d["qk_channel_balance"] = r.qk_channel_balance;
   d["pv_format"] = sage::to_string(r.pv_format);
   d["p_scale"] = sage::to_string(r.p_scale);
   d["v_scale"] = sage::to_string(r.v_scale);
@@ -380,6 +383,7 @@ std::string recipe_to_spec(const sage::Recipe& r) {
      << ",smooth_k=" << (r.smooth_k ? "true" : "false") << ",k_mean_stride=" << r.k_mean_stride
      << ",smooth_q=" << (r.smooth_q ? "true" : "false")
      << ",smooth_v=" << (r.smooth_v ? "true" : "false")
+     << ",qk_channel_balance=" << (r.qk_channel_balance ? "true" : "false")
      << ",pv_format=" << sage::to_string(r.pv_format) << ",p_scale=" << sage::to_string(r.p_scale)
      << ",v_scale=" << sage::to_string(r.v_scale) << ",pv_accum=" << sage::to_string(r.pv_accum)
      << ",p_range=" << format_float(r.p_range) << ",v_range=" << format_float(r.v_range)

@@ -43,6 +43,7 @@ std::string gpu_variant(const Recipe& r, KernelVariant& v) {
   if (r.qk_format != QKFormat::int8 && r.qk_format != QKFormat::int4)
     return "qk_format int8 or int4 (" + std::string(to_string(r.qk_format)) +
            " has no sm_90 kernel; FP4 tensor cores exist only on Blackwell)";
+  if (r.qk_channel_balance) return "qk_channel_balance off (no sm_90 kernel yet)";
   const G g = r.qk_granularity;
   if (!(g == G::per_thread || g == G::per_warp || g == G::per_block || g == G::per_token))
     return "qk_granularity per_thread, per_warp, per_block or per_token";

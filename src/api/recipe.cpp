@@ -145,6 +145,7 @@ std::string recipe_summary(const Recipe& r) {
     if (r.smooth_k && r.k_mean_stride > 1) os << ", K mean of every " << r.k_mean_stride << "th key";
     os << ")";
   }
+  if (r.qk_channel_balance) os << " (Q/K channel balance)";
   os << "; PV " << to_string(r.pv_format);
   if (r.p_scale != PScale::none) os << ", P " << to_string(r.p_scale);
   if (r.p_range > 0) os << " to " << r.p_range;
@@ -282,6 +283,9 @@ void validate_recipe(const Recipe& r) {
     throw Error("recipe.qk_granularity", "qk_format fp16 is not quantized; use per_tensor");
   if (r.smooth_q && !(r.qk_format == QKFormat::int8 || r.qk_format == QKFormat::int4))
     throw Error("recipe.smooth_q", "Q smoothing is defined for int8/int4 Q/K only");
+  if (r.qk_channel_balance && r.inputs == Inputs::prequantized_int8)
+    throw Error("recipe.qk_channel_balance",
+                "needs floating inputs: prequantized_int8 Q and K are already quantized");
   const bool fp4_pv = r.pv_format == PVFormat::nvfp4 || r.pv_format == PVFormat::mxfp4;
   if (r.pv_format == PVFormat::fp16 &&
       (r.p_scale != PScale::none || r.v_scale != VScale::none))

@@ -67,6 +67,10 @@ void validate_backward(const Recipe& r) {
   if (r.smooth_q)
     throw Error("recipe.smooth_q", "the backward does not model Q smoothing (its per-tile mean "
                                    "would need a correction in dK)");
+  if (r.qk_channel_balance)
+    throw Error("recipe.qk_channel_balance",
+                "the backward does not model the Q/K channel balance (dQ and dK would come out in "
+                "the balanced channels' units and need the scales undone)");
   if (r.dq_format == BwdFormat::int8 &&
       !(integer_qk(r) && k_scale_uniform_per_kv_tile(r.qk_granularity)))
     throw Error("recipe.dq_format",

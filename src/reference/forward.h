@@ -17,6 +17,8 @@ namespace sage::reference::sim {
 struct KVHead {
   QKOperand k;
   std::vector<float> k_mean;  // smooth_k: the subtracted mean (for the LSE), else empty
+  // qk_channel_balance: s_c (powers of two), K' multiplied by them and Q divided, else empty
+  std::vector<float> qk_balance;
   VOperand v;
   std::vector<float> v_mean;  // smooth_v: added back to the output, else empty
 };

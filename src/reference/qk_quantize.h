@@ -27,6 +27,19 @@ std::vector<float> channel_mean(const float* x, int64_t n, int64_t d, int stride
 // x[t][c] -= mean[c] in float, for tokens [0, n).
 void subtract_channel_mean(float* x, int64_t n, int64_t d, const float* mean);
 
+// qk_channel_balance (docs/numerics.md, step 2): amax[c] = max(amax[c], |x[t][c]|) over
+// tokens [0, n), to gather one channel range over several heads.
+void accumulate_channel_abs_max(const float* x, int64_t n, int64_t d, float* amax);
+// The balance's power-of-two scales s_c = 2^e_c, e_c = floor((L_c + 1) / 2) with
+// L_c = floor(log2(q_amax[c] / k_amax[c])) (the ratio in double): after q_c / s_c and
+// k_c * s_c the two ranges are within a factor 2 of each other. 1 where either range is 0 or
+// not finite; e_c is clamped to [-kMaxBalanceExponent, kMaxBalanceExponent].
+constexpr int kMaxBalanceExponent = 30;
+std::vector<float> qk_balance_scales(const float* q_amax, const float* k_amax, int64_t d);
+// x[t][c] *= s[c] (or /= s[c] where divide): exact in float, the s[c] being powers of two,
+// unless a value leaves float's normal range.
+void scale_channels(float* x, int64_t n, int64_t d, const float* s, bool divide);
+
 // Quantizes n tokens of a smoothed Q (is_q) or K. int8/int4/e4m3 use the group map of
 // `granularity` (q_group_of / k_group_of); nvfp4/mxfp4 scale 16/32 channels of one token.
 QKOperand quantize_qk(const float* x, int64_t n, int64_t d, QKFormat format,

@@ -25,12 +25,29 @@ using sim::KVHead;
 
 constexpr float kLn2 = 0.6931471805599453f;
 
-KVHead prepare_kv(float* k, float* v, const Problem& p, const Recipe& r, TileConfig tc) {
+// qk_channel_balance: the channel ranges of the group's Q heads (q_group, n_q_rows tokens) and
+// of K' set s_c; K' takes * s_c here, Q / s_c in prepare_q. After K smoothing, so that s_c
+// sees the K the quantizer sees, and before either is quantized.
+void balance_k(float* k, const float* q_group, int64_t n_q_rows, const Problem& p, KVHead& h) {
+  const int64_t d = p.head_dim;
+  std::vector<float> q_amax(static_cast<size_t>(d), 0.f), k_amax(static_cast<size_t>(d), 0.f);
+  sim::accumulate_channel_abs_max(q_group, n_q_rows, d, q_amax.data());
+  sim::accumulate_channel_abs_max(k, p.n_kv, d, k_amax.data());
+  h.qk_balance = sim::qk_balance_scales(q_amax.data(), k_amax.data(), d);
+  sim::scale_channels(k, p.n_kv, d, h.qk_balance.data(), /*divide=*/false);
+}
+
+KVHead prepare_kv(float* k, float* v, const float* q_group, const Problem& p, const Recipe& r,
+                  TileConfig tc) {
   KVHead h;
   const int64_t n = p.n_kv, d = p.head_dim;
   if (r.smooth_k) {
     h.k_mean = sim::channel_mean(k, n, d, r.k_mean_stride);
     sim::subtract_channel_mean(k, n, d, h.k_mean.data());
+  }
+  if (r.qk_channel_balance) {
+    const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
+    balance_k(k, q_group, group * p.n_q, p, h);
   }
   h.k = sim::quantize_qk(k, n, d, r.qk_format, r.qk_granularity, /*is_q=*/false, tc);
   if (r.smooth_v) {
@@ -53,10 +70,12 @@ struct QHead {
   std::vector<float> q_mean;  // smooth_q: one mean per Q tile, [tiles][d]
 };
 
-QHead prepare_q(const float* q_orig, const Problem& p, const Recipe& r, TileConfig tc) {
+QHead prepare_q(const float* q_orig, const KVHead& kvh, const Problem& p, const Recipe& r,
+                TileConfig tc) {
   const int64_t nq = p.n_q, d = p.head_dim;
   QHead qh;
   std::vector<float> qs(q_orig, q_orig + nq * d);
+  if (r.qk_channel_balance) sim::scale_channels(qs.data(), nq, d, kvh.qk_balance.data(), /*divide=*/true);
   if (r.smooth_q) {
     const int64_t tiles = ceil_div(nq, tc.block_q);
     qh.q_mean.resize(static_cast<size_t>(tiles * d));
@@ -161,7 +180,8 @@ void finish_row(const RowPlan& pl, const KVHead& kvh, const sim::RowState& st, c
 
 // Per KV head: K smoothing and quantization (f.k becomes K') and V's, or the prequantized
 // codes with their scales.
-void prepare_kv_heads(const AttentionArgs& args, const Problem& p, sim::Forward& f) {
+void prepare_kv_heads(const AttentionArgs& args, const Problem& p, const std::vector<float>& q,
+                      sim::Forward& f) {
   const Recipe& r = args.recipe;
   const int64_t d = p.head_dim, nkv = p.n_kv;
   f.k = read_bhnd_f32(args.k, args.layout);
@@ -179,7 +199,9 @@ void prepare_kv_heads(const AttentionArgs& args, const Problem& p, sim::Forward&
       f.kv[x].v = sim::prequantized_v(vh, nkv, d, v_scale.data() + x * (v_per_channel ? d : 1),
                                       v_per_channel);
     } else {
-      f.kv[x] = prepare_kv(kh, vh, p, r, f.tc);
+      // The Q heads of KV head x are contiguous in the dense (b, h_q, n_q, d) copy.
+      const int64_t group = p.heads_q / p.heads_kv;
+      f.kv[x] = prepare_kv(kh, vh, q.data() + x * group * p.n_q * d, p, r, f.tc);
     }
   });
 }
@@ -233,10 +255,11 @@ Forward run_forward(const AttentionArgs& args, const Problem& p, bool keep_q_ope
   const int64_t d = p.head_dim, nq = p.n_q;
   const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
   assert(f.tc.block_kv % 8 == 0);  // tiles start on a thread-group boundary (tile.h)
-  prepare_kv_heads(args, p, f);
+  // Q first: the Q/K channel balance prepares K from Q's channel ranges.
+  const std::vector<float> q = read_bhnd_f32(args.q, args.layout);
+  prepare_kv_heads(args, p, q, f);
 
   // ---- per Q head: Q smoothing and quantization, then the tiled attention loop ----
-  const std::vector<float> q = read_bhnd_f32(args.q, args.layout);
   const std::vector<double> q_scale = preq ? read_flat_f64(args.q_scale) : std::vector<double>{};
   f.out.assign(static_cast<size_t>(p.batch * p.heads_q * nq * d), 0.f);
   f.lse.assign(static_cast<size_t>(p.batch * p.heads_q * nq), -std::numeric_limits<float>::infinity());
@@ -249,7 +272,7 @@ Forward run_forward(const AttentionArgs& args, const Problem& p, bool keep_q_ope
     const float* q_orig = q.data() + bh * nq * d;
     QHead qh;
     if (preq) qh.op = prequantized_qk(q_orig, q_scale.data() + bh * nq, nq, d);
-    else qh = prepare_q(q_orig, p, r, f.tc);
+    else qh = prepare_q(q_orig, kvh, p, r, f.tc);
     attend_head(args, pl, qh, kvh, q_orig, bh, f);
     if (keep_q_operands) f.q_ops[static_cast<size_t>(bh)] = std::move(qh.op);
   });

@@ -25,6 +25,8 @@ constexpr Dist kDists[] = {
     {"v_bias", "V with a large per-channel bias ~ N(0, 5^2)"},
     {"sink", "key 0 scores ~+10 for every query over a diffuse bulk (most P~ ~1e-4, summing to "
              "O(1)); V with a per-channel bias ~ N(0, 2^2)"},
+    {"channel_offset", "Q and K with max(2, d/32) channels whose mean is 10..50 (x10..x50 the "
+                       "other channels' RMS), as q/k projection biases give (Qwen2-like)"},
 };
 
 // Mixes coordinates into independent stream seeds (the SplitMix64 finalizer).
@@ -35,11 +37,18 @@ uint64_t mix(uint64_t a, uint64_t b) {
   return z ^ (z >> 31);
 }
 
-enum Tensor : uint64_t { kQ = 1, kK = 2, kV = 3, kBias = 4, kOutlier = 5, kSink = 6, kDout = 7 };
+enum Tensor : uint64_t { kQ = 1, kK = 2, kV = 3, kBias = 4, kOutlier = 5, kSink = 6, kDout = 7,
+                    kOffsetChannels = 8 };
 
 uint64_t stream(uint64_t seed, uint64_t dist, uint64_t tensor, int64_t b, int64_t h) {
   return mix(mix(mix(mix(seed, dist), tensor), static_cast<uint64_t>(b)), static_cast<uint64_t>(h));
 }
+
+// channel_offset: the standard deviation of K's offset channels around their mean. With 1 the
+// offsets (times K's spread) dominate the scores and make attention sharp, which hides Q's
+// coarse INT8 steps (sage2_8b: cosine 0.9992 at d = 64); 0.25 leaves the ordinary channels
+// carrying the attention, as on the layers issue 35 measured (0.9957).
+constexpr double kOffsetChannelSpread = 0.25;
 
 uint16_t to_fp16(double x) { return fmt::fp16_bits(round_double_to_fp16(x)); }
 
@@ -162,6 +171,28 @@ SyntheticInputs make_synthetic(const std::string& distribution, const SyntheticS
     }
     return f;
   };
+  // channel_offset: which channels carry an offset, shared by K and the Q heads of one KV
+  // group (a bias lands on the same channels of Q and K, as in Qwen2's q/k projections).
+  auto offset_channels = [&](int64_t b, int64_t kvh) {
+    std::vector<bool> chosen(static_cast<size_t>(d), false);
+    Rng rng(stream(seed, id, kOffsetChannels, b, kvh));
+    const int64_t count = std::min<int64_t>(d, std::max<int64_t>(2, d / 32));
+    for (int64_t i = 0; i < count; ++i) {
+      int64_t c;
+      do c = static_cast<int64_t>(rng.next() % static_cast<uint64_t>(d));
+      while (chosen[c]);
+      chosen[c] = true;
+    }
+    return chosen;
+  };
+  // Each tensor's own offsets on those channels: magnitude 10..50 with a random sign.
+  auto channel_offsets = [&](const std::vector<bool>& chosen, uint64_t tensor, int64_t b, int64_t h) {
+    std::vector<double> offset(static_cast<size_t>(d), 0.0);
+    Rng rng(stream(seed, id, kBias * 16 + tensor, b, h));
+    for (int64_t c = 0; c < d; ++c)
+      if (chosen[c]) offset[c] = ((rng.next() >> 63) ? 1.0 : -1.0) * (10.0 + 40.0 * rng.uniform());
+    return offset;
+  };
   auto fill = [&](std::vector<uint16_t>& dst, uint64_t tensor, int64_t b, int64_t h, int64_t n,
                   int64_t offset, const std::vector<double>& bias, const std::vector<double>& gain) {
     Rng rng(stream(seed, id, tensor, b, h));
@@ -176,8 +207,16 @@ SyntheticInputs make_synthetic(const std::string& distribution, const SyntheticS
     for (int64_t kvh = 0; kvh < s.heads_kv; ++kvh) {
       const int64_t off = (b * s.heads_kv + kvh) * s.n_kv * d;
       const std::vector<double> outl = name == "outliers" ? outlier_factors(b, kvh) : one;
-      const std::vector<double> kb = (name == "k_bias" || name == "qk_bias") ? channel_bias(kK, b, kvh, 5.0) : zero;
-      fill(in.k, kK, b, kvh, s.n_kv, off, kb, name == "sharp" ? three : outl);
+      const bool offsets = name == "channel_offset";
+      const std::vector<bool> offset_at = offsets ? offset_channels(b, kvh) : std::vector<bool>{};
+      const std::vector<double> kb = (name == "k_bias" || name == "qk_bias") ? channel_bias(kK, b, kvh, 5.0)
+                                     : offsets ? channel_offsets(offset_at, kK, b, kvh) : zero;
+      // K's offset channels vary little around their mean (the bias dominates them), so the
+      // offsets do not make the scores sharp: the ordinary channels carry the attention.
+      std::vector<double> k_gain = name == "sharp" ? three : outl;
+      if (offsets)
+        for (int64_t c = 0; c < d; ++c) k_gain[c] = offset_at[c] ? kOffsetChannelSpread : 1.0;
+      fill(in.k, kK, b, kvh, s.n_kv, off, kb, k_gain);
       // The sink: queries share a small common direction u (|u_c| = 0.5) and key 0 points
       // along it, so q . k_0 / sqrt(d) ~ 10 for every query while other scores stay N(0, 1.25).
       std::vector<double> sink_dir(static_cast<size_t>(d), 0.0);
@@ -195,7 +234,8 @@ SyntheticInputs make_synthetic(const std::string& distribution, const SyntheticS
         const int64_t h = kvh * group + g;
         const int64_t qoff = (b * s.heads_q + h) * s.n_q * d;
         const std::vector<double> qb =
-            name == "qk_bias" ? channel_bias(kQ, b, h, 2.0) : name == "sink" ? sink_dir : zero;
+            name == "qk_bias" ? channel_bias(kQ, b, h, 2.0) : name == "sink" ? sink_dir
+            : offsets ? channel_offsets(offset_at, kQ, b, h) : zero;
         fill(in.q, kQ, b, h, s.n_q, qoff, qb, name == "sharp" ? three : outl);
       }
     }

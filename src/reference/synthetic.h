@@ -16,6 +16,11 @@
 //             one key scores ~+10 everywhere above a diffuse N(0, 1.25) bulk, so over long
 //             sequences most of P~ is ~1e-4 yet sums to O(1) (the papers' regime for P);
 //             V = b + N(0, 1), b_c ~ N(0, 2^2), so that the bulk's mass shows in the output
+//   channel_offset  Q, K ~ N(0, 1) with max(2, d/32) channels (the same ones in K and in the Q
+//             heads of its group) whose mean is +-(10..50), drawn per head, K's varying
+//             by N(0, 0.25^2) around it (bias-dominated): the Q/K channel
+//             offsets that q/k projection biases give (Qwen2-like layers; issue 35). K
+//             smoothing removes K's offsets, but Q's still set Q's INT8 scales.
 // Unlisted tensors are N(0, 1). All values are rounded to fp16.
 #pragma once
 
