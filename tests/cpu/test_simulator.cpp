@@ -131,6 +131,11 @@ Recipe custom(QKFormat qf, Granularity g, PVFormat pf, PScale ps, VScale vs, PVA
 // both non-causal and causal. Each entry is {max 1 - cosine, max relative L1}: the larger of
 // the two masks' measurements times 1.5 (cosine error) and 1.25 (relative L1), rounded up to
 // two digits. docs/numerics.md lists the measured values next to these bounds.
+//
+// channel_offset's bounds are those of a known defect, not of a healthy recipe: Q's few
+// large-mean channels set every token's INT8 scale (issue 35, section 1), so the presets
+// lose 10-50x more than on normal there. They pin today's paper numerics (which the presets
+// keep); the remedy, recipe.qk_channel_balance, is bounded in test_channel_balance.cpp.
 struct Bound {
   double cos_err, rel_l1;
 };
@@ -144,7 +149,8 @@ const std::map<std::string, BoundRow>& bounds() {
         {"outliers", {0.0011, 0.016}},
         {"sharp", {0.00059, 0.025}},
         {"v_bias", {1.4e-07, 0.00048}},
-        {"sink", {6.8e-07, 0.00098}}}},
+        {"sink", {6.8e-07, 0.00098}},
+        {"channel_offset", {0.0069, 0.12}}}},
       {"sage1_b",
        {{"normal", {0.00014, 0.017}},
         {"k_bias", {0.00013, 0.017}},
@@ -152,7 +158,8 @@ const std::map<std::string, BoundRow>& bounds() {
         {"outliers", {0.0046, 0.034}},
         {"sharp", {0.0012, 0.035}},
         {"v_bias", {2.3e-07, 0.00061}},
-        {"sink", {1.2e-06, 0.0012}}}},
+        {"sink", {1.2e-06, 0.0012}},
+        {"channel_offset", {0.0094, 0.14}}}},
       {"sage1_vt",
        {{"normal", {0.00037, 0.027}},
         {"k_bias", {0.00035, 0.026}},
@@ -160,7 +167,8 @@ const std::map<std::string, BoundRow>& bounds() {
         {"outliers", {0.0011, 0.025}},
         {"sharp", {0.00065, 0.03}},
         {"v_bias", {2.7e-06, 0.0019}},
-        {"sink", {0.004, 0.079}}}},
+        {"sink", {0.004, 0.079}},
+        {"channel_offset", {0.0075, 0.13}}}},
       {"sage1_vb",
        {{"normal", {0.00044, 0.029}},
         {"k_bias", {0.00041, 0.029}},
@@ -168,7 +176,8 @@ const std::map<std::string, BoundRow>& bounds() {
         {"outliers", {0.0046, 0.042}},
         {"sharp", {0.0013, 0.04}},
         {"v_bias", {2.7e-06, 0.0019}},
-        {"sink", {0.004, 0.079}}}},
+        {"sink", {0.004, 0.079}},
+        {"channel_offset", {0.01, 0.14}}}},
       {"sage2_8b",
        {{"normal", {0.0011, 0.047}},
         {"k_bias", {0.0011, 0.047}},
@@ -176,7 +185,8 @@ const std::map<std::string, BoundRow>& bounds() {
         {"outliers", {0.003, 0.048}},
         {"sharp", {0.0015, 0.048}},
         {"v_bias", {2.4e-05, 0.0052}},
-        {"sink", {0.00041, 0.024}}}},
+        {"sink", {0.00041, 0.024}},
+        {"channel_offset", {0.0089, 0.14}}}},
       {"sage2_8b_vsmooth",
        {{"normal", {0.0011, 0.047}},
         {"k_bias", {0.0011, 0.046}},
@@ -184,7 +194,8 @@ const std::map<std::string, BoundRow>& bounds() {
         {"outliers", {0.003, 0.047}},
         {"sharp", {0.0015, 0.048}},
         {"v_bias", {1.1e-06, 0.0013}},
-        {"sink", {9.9e-05, 0.013}}}},
+        {"sink", {9.9e-05, 0.013}},
+        {"channel_offset", {0.0092, 0.14}}}},
       {"sage2_4b",
        {{"normal", {0.032, 0.26}},
         {"k_bias", {0.032, 0.26}},
@@ -192,7 +203,8 @@ const std::map<std::string, BoundRow>& bounds() {
         {"outliers", {0.26, 0.41}},
         {"sharp", {0.22, 0.52}},
         {"v_bias", {5.5e-05, 0.0092}},
-        {"sink", {0.0013, 0.044}}}},
+        {"sink", {0.0013, 0.044}},
+        {"channel_offset", {0.39, 1.1}}}},
       {"sage2pp_8b",
        {{"normal", {0.0011, 0.046}},
         {"k_bias", {0.0011, 0.046}},
@@ -200,7 +212,8 @@ const std::map<std::string, BoundRow>& bounds() {
         {"outliers", {0.003, 0.048}},
         {"sharp", {0.0015, 0.048}},
         {"v_bias", {1.9e-05, 0.0048}},
-        {"sink", {0.00054, 0.028}}}},
+        {"sink", {0.00054, 0.028}},
+        {"channel_offset", {0.0091, 0.14}}}},
       {"sage2pp_4b",
        {{"normal", {0.032, 0.26}},
         {"k_bias", {0.032, 0.26}},
@@ -208,7 +221,8 @@ const std::map<std::string, BoundRow>& bounds() {
         {"outliers", {0.26, 0.41}},
         {"sharp", {0.22, 0.52}},
         {"v_bias", {5e-05, 0.0089}},
-        {"sink", {0.0015, 0.047}}}},
+        {"sink", {0.0015, 0.047}},
+        {"channel_offset", {0.39, 1.1}}}},
       {"sage3_fp4",
        {{"normal", {0.028, 0.24}},
         {"k_bias", {0.027, 0.24}},
@@ -216,7 +230,8 @@ const std::map<std::string, BoundRow>& bounds() {
         {"outliers", {0.09, 0.26}},
         {"sharp", {0.13, 0.41}},
         {"v_bias", {0.00061, 0.029}},
-        {"sink", {0.0063, 0.11}}}},
+        {"sink", {0.0063, 0.11}},
+        {"channel_offset", {0.17, 0.58}}}},
       {"int_flash",
        {{"normal", {0.00042, 0.028}},
         {"k_bias", {0.00086, 0.042}},
@@ -224,7 +239,8 @@ const std::map<std::string, BoundRow>& bounds() {
         {"outliers", {0.0014, 0.028}},
         {"sharp", {0.00065, 0.032}},
         {"v_bias", {1.5e-06, 0.0015}},
-        {"sink", {0.0013, 0.043}}}},
+        {"sink", {0.0013, 0.043}},
+        {"channel_offset", {0.15, 0.51}}}},
       {"int_flash_q",
        {{"normal", {0.00042, 0.028}},
         {"k_bias", {0.00086, 0.042}},
@@ -232,7 +248,8 @@ const std::map<std::string, BoundRow>& bounds() {
         {"outliers", {0.0014, 0.028}},
         {"sharp", {0.00065, 0.032}},
         {"v_bias", {1.5e-06, 0.0015}},
-        {"sink", {0.0013, 0.043}}}},
+        {"sink", {0.0013, 0.043}},
+        {"channel_offset", {0.15, 0.51}}}},
       {"sagebwd",
        {{"normal", {0.00036, 0.027}},
         {"k_bias", {0.00034, 0.027}},
@@ -240,7 +257,8 @@ const std::map<std::string, BoundRow>& bounds() {
         {"outliers", {0.0046, 0.044}},
         {"sharp", {0.0013, 0.041}},
         {"v_bias", {3.3e-06, 0.0022}},
-        {"sink", {0.00033, 0.024}}}},
+        {"sink", {0.00033, 0.024}},
+        {"channel_offset", {0.0097, 0.14}}}},
   };
   return table;
 }
