@@ -434,6 +434,16 @@ int run_docs(const std::vector<std::string>& args) {
 
   write_speed(os, bench_paths);
 
+  // Options that keep the presets faithful to their papers by being off in all of them.
+  os << "## Options no preset takes\n\n"
+     << "- `qk_channel_balance` (simulator only: the GPU refuses it by name, no sm_90 kernel "
+        "yet): scale migrates between Q and K per channel before quantization, q_c / s_c and "
+        "k'_c * s_c with s_c a power of two near sqrt(max|Q_c| / max|K'_c|) per (batch, KV "
+        "head). Exact in math; it recovers the accuracy the presets lose on `channel_offset` "
+        "(issue 35; sage2_8b from cosine 0.994 to 0.9994 at d = 64-128), and changes nothing "
+        "on `normal`. [numerics](numerics.md#2-smoothing-once-per-kv-head-for-k-and-v-once-per-q-tile-for-q) "
+        "states its arithmetic; `sage check --qk-channel-balance` measures it.\n\n";
+
   os << "## Each preset\n\n";
   for (size_t i = 0; i < all.size(); ++i) {
     const Recipe& r = all[i];
