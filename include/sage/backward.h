@@ -32,6 +32,10 @@ struct BackwardArgs {
   Recipe recipe = Recipe{};       // must have a backward (has_backward)
 };
 
+// The forward call of a backward's arguments: q, k, v, layout, causal, sm_scale and recipe;
+// out and lse left for the caller.
+AttentionArgs forward_args(const BackwardArgs& args);
+
 // Checks every argument (the recipe's backward included) and returns the problem's shape;
 // throws sage::Error naming the first bad argument.
 Problem check_backward_args(const BackwardArgs& args, DeviceKind device);

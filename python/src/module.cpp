@@ -45,17 +45,26 @@ struct Call {
   sage::AttentionArgs args;
 };
 
-void fill(Call& c, nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
-          const std::string& layout, bool causal, std::optional<double> sm_scale,
-          nb::handle recipe, nb::handle q_scale, nb::handle k_scale, nb::handle v_scale) {
-  sage::AttentionArgs& a = c.args;
+// The options and inputs every entry point takes, forward (AttentionArgs) or backward
+// (BackwardArgs).
+template <class Args>
+void fill_shared(Args& a, ViewSet& arrays, nb::handle q, nb::handle k, nb::handle v,
+                 const std::string& layout, bool causal, std::optional<double> sm_scale,
+                 nb::handle recipe) {
   a.layout = layout_of(layout);
   a.causal = causal;
   if (sm_scale) a.sm_scale = static_cast<float>(*sm_scale);
   a.recipe = recipe_from(recipe);
-  a.q = c.arrays.input(q, "q");
-  a.k = c.arrays.input(k, "k");
-  a.v = c.arrays.input(v, "v");
+  a.q = arrays.input(q, "q");
+  a.k = arrays.input(k, "k");
+  a.v = arrays.input(v, "v");
+}
+
+void fill(Call& c, nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+          const std::string& layout, bool causal, std::optional<double> sm_scale,
+          nb::handle recipe, nb::handle q_scale, nb::handle k_scale, nb::handle v_scale) {
+  sage::AttentionArgs& a = c.args;
+  fill_shared(a, c.arrays, q, k, v, layout, causal, sm_scale, recipe);
   if (out.is_none()) throw sage::Error("out", "is required (an array of q's shape to write into)");
   a.out = c.arrays.output(out, "out");
   a.lse = c.arrays.output(lse, "lse");
@@ -66,14 +75,16 @@ void fill(Call& c, nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb:
 
 // The references dereference every pointer on the host, so device memory must not reach
 // them even if a later check were to miss it.
-void require_host(const sage::AttentionArgs& a) {
-  const std::pair<const sage::TensorView*, const char*> all[] = {
-      {&a.q, "q"},     {&a.k, "k"},       {&a.v, "v"},       {&a.out, "out"},
-      {&a.lse, "lse"}, {&a.q_scale, "q_scale"}, {&a.k_scale, "k_scale"}, {&a.v_scale, "v_scale"}};
-  for (const auto& [view, name] : all)
+using NamedViews = std::initializer_list<std::pair<const sage::TensorView*, const char*>>;
+void require_host(NamedViews views) {
+  for (const auto& [view, name] : views)
     if (view->defined() && view->device.kind != sage::DeviceKind::cpu)
       throw sage::Error(name, "must be in host memory for the CPU references (got " +
                                   sage::device_name(view->device) + ")");
+}
+void require_host(const sage::AttentionArgs& a) {
+  require_host({{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.out, "out"}, {&a.lse, "lse"},
+                {&a.q_scale, "q_scale"}, {&a.k_scale, "k_scale"}, {&a.v_scale, "v_scale"}});
 }
 
 // The backward references' arguments, imported once; every view must be in host memory.
@@ -87,26 +98,15 @@ void fill_backward(BackwardCall& c, nb::handle q, nb::handle k, nb::handle v, nb
                    const std::string& layout, bool causal, std::optional<double> sm_scale,
                    nb::handle recipe) {
   sage::BackwardArgs& a = c.args;
-  a.layout = layout_of(layout);
-  a.causal = causal;
-  if (sm_scale) a.sm_scale = static_cast<float>(*sm_scale);
-  a.recipe = recipe_from(recipe);
-  a.q = c.arrays.input(q, "q");
-  a.k = c.arrays.input(k, "k");
-  a.v = c.arrays.input(v, "v");
+  fill_shared(a, c.arrays, q, k, v, layout, causal, sm_scale, recipe);
   a.dout = c.arrays.input(dout, "dout");
   a.dq = c.arrays.output(dq, "dq");
   a.dk = c.arrays.output(dk, "dk");
   a.dv = c.arrays.output(dv, "dv");
   a.out = c.arrays.output(out, "out");
   a.lse = c.arrays.output(lse, "lse");
-  const std::pair<const sage::TensorView*, const char*> all[] = {
-      {&a.q, "q"},   {&a.k, "k"},   {&a.v, "v"},     {&a.dout, "dout"}, {&a.dq, "dq"},
-      {&a.dk, "dk"}, {&a.dv, "dv"}, {&a.out, "out"}, {&a.lse, "lse"}};
-  for (const auto& [view, name] : all)
-    if (view->defined() && view->device.kind != sage::DeviceKind::cpu)
-      throw sage::Error(name, "must be in host memory for the CPU references (got " +
-                                  sage::device_name(view->device) + ")");
+  require_host({{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.dout, "dout"}, {&a.dq, "dq"},
+                {&a.dk, "dk"}, {&a.dv, "dv"}, {&a.out, "out"}, {&a.lse, "lse"}});
 }
 
 nb::dict problem_dict(const sage::Problem& p) {

@@ -83,20 +83,25 @@ void check_gradient_dtype(const TensorView& t, const char* name) {
 // The forward call a backward call implies, for check_args: its out and lse are the
 // backward's (out standing in when absent).
 AttentionArgs forward_of(const BackwardArgs& a) {
+  AttentionArgs f = forward_args(a);
+  f.out = a.out.defined() ? a.out : stand_in(a.q);
+  f.lse = a.lse;
+  return f;
+}
+
+}  // namespace
+
+AttentionArgs forward_args(const BackwardArgs& a) {
   AttentionArgs f;
   f.q = a.q;
   f.k = a.k;
   f.v = a.v;
-  f.out = a.out.defined() ? a.out : stand_in(a.q);
-  f.lse = a.lse;
   f.layout = a.layout;
   f.causal = a.causal;
   f.sm_scale = a.sm_scale;
   f.recipe = a.recipe;
   return f;
 }
-
-}  // namespace
 
 Problem check_backward_args(const BackwardArgs& a, DeviceKind device) {
   if (device != DeviceKind::cpu)

@@ -300,20 +300,6 @@ HeadGradients backward_head(const Recipe& r, const BackwardHeadInputs& in, Backw
 
 namespace {
 
-// The forward call the backward's forward runs: the same inputs and options; out and lse
-// are written by simulate_backward itself.
-AttentionArgs forward_args(const BackwardArgs& a) {
-  AttentionArgs f;
-  f.q = a.q;
-  f.k = a.k;
-  f.v = a.v;
-  f.layout = a.layout;
-  f.causal = a.causal;
-  f.sm_scale = a.sm_scale;
-  f.recipe = a.recipe;
-  return f;
-}
-
 std::vector<float> rounded16(std::vector<float> x, bool bf16) {
   for (float& v : x) v = sim::round16(v, bf16);
   return x;
@@ -361,7 +347,7 @@ void sum_over_groups(const Problem& p, const std::vector<std::vector<float>>& pe
 void simulate_backward(const BackwardArgs& args) {
   const Problem p = check_backward_args(args, DeviceKind::cpu);
   validate_backward(args.recipe);
-  const sim::Forward f = sim::run_forward(forward_args(args), p, /*keep_q_operands=*/true);
+  const sim::Forward f = sim::run_forward(sage::forward_args(args), p, /*keep_q_operands=*/true);
   const BackwardTileConfig bt = backward_tile_config(static_cast<int>(p.head_dim));
   const BackwardOperands ops = prepare_operands(args, p, f, bt);
   const int64_t d = p.head_dim, per_q = p.n_q * d, per_kv = p.n_kv * d;

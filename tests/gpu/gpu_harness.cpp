@@ -5,7 +5,6 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
-#include <sstream>
 #include <stdexcept>
 #include <thread>
 
