@@ -15,7 +15,7 @@
 
 // The head dims with a Hopper kernel, the only list of them: src/sm90/fwd/instantiate.cmake
 // reads this line to know what it may instantiate (SAGE_HEAD_DIMS picks a subset), and
-// sage::supported_gpu_head_dims() returns it.
+// sage::gpu_head_dim_list() gives it in a build without CUDA.
 #define SAGE_SUPPORTED_HEAD_DIMS(X) X(64) X(128)
 
 namespace sage::sm90 {
