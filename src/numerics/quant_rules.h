@@ -19,9 +19,33 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kInt8Max = 127;
 constexpr int kInt4Max = 7;
 
+// Non-finite inputs (docs/numerics.md, "Non-finite inputs"): a NaN or an infinity in a scale
+// group makes the group's scale NaN, and so every score or output it multiplies. The group
+// maxima are taken with these NaN-propagating max / min (fmaxf drops a NaN); for finite
+// values they are fmaxf / fminf, bit for bit.
+SAGE_HD float max_nan(float a, float b) {
+#ifdef __CUDA_ARCH__
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return a != a || b != b ? a + b : fmaxf(a, b);
+#endif
+}
+SAGE_HD float min_nan(float a, float b) {
+#ifdef __CUDA_ARCH__
+  float r;
+  asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return a != a || b != b ? a + b : fminf(a, b);
+#endif
+}
+
 // A group's scale: amax / qmax, so that dequantized = code * scale. A zero group gets
-// scale 0 and codes 0 (never NaN).
-SAGE_HD float symmetric_scale(float amax, float qmax) { return amax / qmax; }
+// scale 0 and codes 0. A non-finite amax (a NaN or an infinity in the group) gives NaN:
+// (amax - amax) is +0 for every finite amax and NaN otherwise.
+SAGE_HD float symmetric_scale(float amax, float qmax) { return amax / qmax + (amax - amax); }
 // The multiplier applied before rounding: qmax / amax (0 for an all-zero group).
 SAGE_HD float symmetric_inverse(float amax, float qmax) { return amax > 0.f ? qmax / amax : 0.f; }
 
@@ -30,7 +54,7 @@ SAGE_HD float symmetric_inverse(float amax, float qmax) { return amax > 0.f ? qm
 SAGE_HD int32_t round_clamp(float x, int qmax) {
   float r = rintf(x);
   r = fminf(fmaxf(r, -static_cast<float>(qmax)), static_cast<float>(qmax));
-  return static_cast<int32_t>(r);  // NaN inputs are excluded by the callers' amax
+  return static_cast<int32_t>(r);  // NaN: fmaxf took the clamp's bound (the scale is NaN anyway)
 }
 
 // The per-score multiplier of the INT8 QK path: converts the int32 accumulator straight

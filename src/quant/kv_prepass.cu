@@ -78,8 +78,8 @@ struct ChannelStats {
     const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      max2[j] = __hmax2(max2[j], as_pair(w[j]));
-      min2[j] = __hmin2(min2[j], as_pair(w[j]));
+      max2[j] = __hmax2_nan(max2[j], as_pair(w[j]));
+      min2[j] = __hmin2_nan(min2[j], as_pair(w[j]));
     }
   }
   // Value i of the max (or min) as a float.
@@ -112,8 +112,8 @@ __device__ __forceinline__ void combine_cta_stats(const ChannelStats<T>& st, int
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       v[kSum][i] += __shfl_xor_sync(0xffffffffu, v[kSum][i], off);
-      v[kMax][i] = fmaxf(v[kMax][i], __shfl_xor_sync(0xffffffffu, v[kMax][i], off));
-      v[kMin][i] = fminf(v[kMin][i], __shfl_xor_sync(0xffffffffu, v[kMin][i], off));
+      v[kMax][i] = rules::max_nan(v[kMax][i], __shfl_xor_sync(0xffffffffu, v[kMax][i], off));
+      v[kMin][i] = rules::min_nan(v[kMin][i], __shfl_xor_sync(0xffffffffu, v[kMin][i], off));
     }
   const int warp = threadIdx.x / 32;
   if (threadIdx.x % 32 < kLanesPerRow)
@@ -128,8 +128,8 @@ __device__ __forceinline__ void combine_cta_stats(const ChannelStats<T>& st, int
 #pragma unroll
     for (int w = 1; w < kWarps; ++w) {
       sum += red[kSum][w][c];
-      mx = fmaxf(mx, red[kMax][w][c]);
-      mn = fminf(mn, red[kMin][w][c]);
+      mx = rules::max_nan(mx, red[kMax][w][c]);
+      mn = rules::min_nan(mn, red[kMin][w][c]);
     }
     cta_stats[kSum][c] = sum, cta_stats[kMax][c] = mx, cta_stats[kMin][c] = mn;
   }
@@ -200,9 +200,9 @@ __global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
       const float* other = cluster.map_shared_rank(&cta_stats[0][0], r);
       const float s = other[kSum * D + c], x = other[kMax * D + c], n = other[kMin * D + c];
       if (r < k_ctas) {
-        sum[0] += s, mx[0] = fmaxf(mx[0], x), mn[0] = fminf(mn[0], n);
+        sum[0] += s, mx[0] = rules::max_nan(mx[0], x), mn[0] = rules::min_nan(mn[0], n);
       } else {
-        sum[1] += s, mx[1] = fmaxf(mx[1], x), mn[1] = fminf(mn[1], n);
+        sum[1] += s, mx[1] = rules::max_nan(mx[1], x), mn[1] = rules::min_nan(mn[1], n);
       }
     }
   sm90::cluster_arrive_release();  // done with the other CTAs' shared memory
@@ -214,8 +214,8 @@ __global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
     // Rounding is monotonic, so the extreme of |x - mean| is reached at the channel's max
     // or min: the same value a pass over every token would find. (K's over its sampled keys
     // only: kamax serves per_tensor K scales alone, which have no sm_90 kernel.)
-    kamax = fmaxf(mx[0] - km, km - mn[0]);
-    vamax = fmaxf(mx[1] - vm, vm - mn[1]);
+    kamax = rules::max_nan(mx[0] - km, km - mn[0]);
+    vamax = rules::max_nan(mx[1] - vm, vm - mn[1]);
     p.out.k_mean[head * D + c] = km;
     p.out.v_mean[head * D + c] = vm;
     // The largest over the channels (per-tensor scales) by a shuffle tree: max is exact in
@@ -224,8 +224,8 @@ __global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
     float mk = kamax, mv = vamax;
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) {
-      mk = fmaxf(mk, __shfl_xor_sync(0xffffffffu, mk, off));
-      mv = fmaxf(mv, __shfl_xor_sync(0xffffffffu, mv, off));
+      mk = rules::max_nan(mk, __shfl_xor_sync(0xffffffffu, mk, off));
+      mv = rules::max_nan(mv, __shfl_xor_sync(0xffffffffu, mv, off));
     }
     if (c % 32 == 0) s_warp_amax[0][c / 32] = mk, s_warp_amax[1][c / 32] = mv;
   }
@@ -234,7 +234,7 @@ __global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
     float all_k = s_warp_amax[0][0], all_v = s_warp_amax[1][0];
 #pragma unroll
     for (int w = 1; w < D / 32; ++w)
-      all_k = fmaxf(all_k, s_warp_amax[0][w]), all_v = fmaxf(all_v, s_warp_amax[1][w]);
+      all_k = rules::max_nan(all_k, s_warp_amax[0][w]), all_v = rules::max_nan(all_v, s_warp_amax[1][w]);
     if (p.v_per_tensor) vamax = all_v;  // INT-FlashAttention: one scale over all channels
     // fp16 V is not scaled: the kernel's epilogue multiplies by 1.
     const bool v_fp16 = p.v_format == VFormat::fp16;
@@ -347,10 +347,10 @@ __device__ __forceinline__ void quantize_k_tile(const KVQuantParams& p, int tile
       float amax = 0.f;
       if (kFull || tile * kKVTile + r < p.n_kv)
 #pragma unroll
-        for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(__fsub_rn(x[j], km[j])));
+        for (int j = 0; j < 8; ++j) amax = rules::max_nan(amax, fabsf(__fsub_rn(x[j], km[j])));
 #pragma unroll
       for (int off = 1; off < kLanesPerRow; off *= 2)
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+        amax = rules::max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, off));
       if (lane_c == 0) s_row_amax[r] = amax;
     }
   } else {
@@ -371,11 +371,11 @@ __device__ __forceinline__ void quantize_k_tile(const KVQuantParams& p, int tile
     float thread_amax = 0.f;  // also where the thread has no row below n_kv
 #pragma unroll
     for (int j = 0; j < 8; ++j)
-      thread_amax = fmaxf(thread_amax, fmaxf(__fsub_rn(ext.max(j), km[j]),
+      thread_amax = rules::max_nan(thread_amax, rules::max_nan(__fsub_rn(ext.max(j), km[j]),
                                              __fsub_rn(km[j], ext.min(j))));
 #pragma unroll
     for (int off = 1; off < kLanesPerRow; off *= 2)
-      thread_amax = fmaxf(thread_amax, __shfl_xor_sync(0xffffffffu, thread_amax, off));
+      thread_amax = rules::max_nan(thread_amax, __shfl_xor_sync(0xffffffffu, thread_amax, off));
     if (lane_c == 0) s_row_amax[r0] = thread_amax;
   }
   __syncthreads();
@@ -395,8 +395,8 @@ __device__ __forceinline__ void quantize_k_tile(const KVQuantParams& p, int tile
                       kRowsPerIter % 8 == 0, "lane map");
     const int lane = threadIdx.x;
     float amax = lane < kRowsPerIter ? s_row_amax[lane] : 0.f;
-    for (int off : {1, 8, 16}) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    const float tile_amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    for (int off : {1, 8, 16}) amax = rules::max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float tile_amax = rules::max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
     const int g = lane;  // lanes 0..3 write group g, whose maximum lane 2g holds
     const float group_amax = __shfl_sync(0xffffffffu, amax, 2 * (g % kKScalesPerTile));
     const float both_groups = __shfl_sync(0xffffffffu, tile_amax, 4);
@@ -406,7 +406,7 @@ __device__ __forceinline__ void quantize_k_tile(const KVQuantParams& p, int tile
         case Granularity::per_thread: a = group_amax; break;
         case Granularity::per_tensor: a = p.out.k_amax[head]; break;
         default:  // per_block and per_warp: every warp reads the whole K tile
-          a = fmaxf(tile_amax, both_groups);
+          a = rules::max_nan(tile_amax, both_groups);
           break;
       }
       s_kinv[g] = rules::symmetric_inverse(a, k_max);

@@ -112,9 +112,10 @@ VOperand quantize_v(const float* v, int64_t n, int64_t d, const Recipe& r, int64
   }
   std::vector<float> vmax(static_cast<size_t>(d), 0.f);
   for (int64_t t = 0; t < n; ++t)
-    for (int64_t c = 0; c < d; ++c) vmax[c] = std::max(vmax[c], std::fabs(v[t * d + c]));
+    for (int64_t c = 0; c < d; ++c) vmax[c] = rules::max_nan(vmax[c], std::fabs(v[t * d + c]));
   if (r.v_scale == VScale::per_tensor) {
-    const float all = d > 0 ? *std::max_element(vmax.begin(), vmax.end()) : 0.f;
+    float all = 0.f;
+    for (float m : vmax) all = rules::max_nan(all, m);
     std::fill(vmax.begin(), vmax.end(), all);
   }
   const float target = rules::v_static_max(r);
@@ -122,7 +123,7 @@ VOperand quantize_v(const float* v, int64_t n, int64_t d, const Recipe& r, int64
   std::vector<float> mult(static_cast<size_t>(d));
   op.channel_scale.resize(static_cast<size_t>(d));
   for (int64_t c = 0; c < d; ++c) {
-    op.channel_scale[c] = vmax[c] / target;
+    op.channel_scale[c] = rules::symmetric_scale(vmax[c], target);
     mult[c] = vmax[c] > 0.f ? target / vmax[c] : 0.f;
   }
   for (int64_t t = 0; t < n; ++t)

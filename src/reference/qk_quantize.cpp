@@ -21,7 +21,7 @@ void quantize_grouped(const float* x, int64_t n, int64_t d, QKFormat format,
     const int64_t g = is_q ? q_group_of(granularity, t, tc) : k_group_of(granularity, t, tc);
     group_of[t] = g;
     float a = amax[g];
-    for (int64_t c = 0; c < d; ++c) a = std::max(a, std::fabs(x[t * d + c]));
+    for (int64_t c = 0; c < d; ++c) a = rules::max_nan(a, std::fabs(x[t * d + c]));
     amax[g] = a;
   }
   op.scale.resize(static_cast<size_t>(n));
@@ -30,7 +30,7 @@ void quantize_grouped(const float* x, int64_t n, int64_t d, QKFormat format,
     for (int64_t t = 0; t < n; ++t) {
       const float a = amax[group_of[t]];
       const float inv = a > 0.f ? 448.f / a : 0.f;
-      op.scale[t] = a / 448.f;
+      op.scale[t] = rules::symmetric_scale(a, 448.f);
       for (int64_t c = 0; c < d; ++c)
         op.values[t * d + c] = fmt::e4m3_decode(fmt::e4m3_encode(x[t * d + c] * inv));
     }

@@ -133,6 +133,13 @@ struct RowScratch {
 
 // Steps 4-9 for one KV tile of row i: its logits, the online softmax, P's quantization and
 // the PV accumulation into O.
+// INT-FlashAttention's denominator: the quantized P's sum, which is NaN where P~ is (the codes
+// of a NaN are not: the float sum carries it, as the kernel's does).
+float quantized_row_sum(const RowScratch& x, int64_t count) {
+  const float float_sum = sim::softmax_row_sum(x.pt.data(), count);
+  return x.ptile.dequantized_sum + (float_sum - float_sum);
+}
+
 void attend_tile(const RowPlan& pl, const sim::QKOperand& qop, int64_t i, const KVHead& kvh,
                  const float* ds, int64_t j0, int64_t count, sim::RowState& st, float* O,
                  RowScratch& x) {
@@ -157,16 +164,17 @@ void attend_tile(const RowPlan& pl, const sim::QKOperand& qop, int64_t i, const 
                   row_peak);
   // pv_mma: in P~ units like the others (pmax a power of two by default: exact).
   const float row_sum = pl.row_sum_mma ? sim::pv_mma_row_sum(r.pv_accum, x.ptile) / pl.pmax
-                        : r.row_sum == RowSum::quantized_p ? x.ptile.dequantized_sum
+                        : r.row_sum == RowSum::quantized_p ? quantized_row_sum(x, count)
                                                            : sim::softmax_row_sum(x.pt.data(), count);
   sim::accumulate_tile(r.pv_accum, x.ptile, kvh.v, j0, alpha, O, x.accum);
   sim::softmax_add_row_sum(st, alpha, row_sum);
 }
 
 // Step 10: the output row from O and l.
+// Rows without keys (l = 0) stay 0; a NaN l (a non-finite input reached the row) gives NaN.
 void finish_row(const RowPlan& pl, const KVHead& kvh, const sim::RowState& st, const float* O,
                 int64_t d, float* o) {
-  if (!(st.l > 0.f)) return;  // rows without keys (or l = 0) stay 0
+  if (st.l <= 0.f) return;
   const bool scale_at_end = pl.static_p || !kvh.v.channel_scale.empty();
   for (int64_t c = 0; c < d; ++c) {
     // Static P and V scales fold into one multiplier per channel; the fp4, fp16 and per-tile

@@ -57,7 +57,9 @@ __device__ __forceinline__ void store_output_rows(const float (&o)[D / 2], const
       for (int m = 0; m < 4; ++m) {
         const int j = half * kHalfChunks + jj + m / 2, r = m % 2;
         float y0 = 0.f, y1 = 0.f;
-        if (l[r] > 0.f) {  // l sums P~ * p_max: its p_max cancels the one of P's codes
+        // l sums P~ * p_max: its p_max cancels the one of P's codes. Rows without keys (l = 0)
+        // give 0; a NaN l (a non-finite input reached the row) gives NaN.
+        if (!(l[r] <= 0.f)) {
           y0 = (o[4 * j + 2 * r] * vs[j].x) * inv_l[r] + vm[j].x;
           y1 = (o[4 * j + 2 * r + 1] * vs[j].y) * inv_l[r] + vm[j].y;
         }
@@ -101,7 +103,7 @@ __device__ __forceinline__ void run_epilogue(const AttentionParams& p, typename 
   for (int r = 0; r < 2; ++r) {
     // The MMA's row sum is already the whole row's; the softmax's are the quad's partials.
     l[r] = K::kRowSumInMma ? ml.softmax.l[r] : frag::quad_sum(ml.softmax.l[r]);
-    inv_l[r] = l[r] > 0.f ? __frcp_rn(l[r]) : 0.f;
+    inv_l[r] = l[r] <= 0.f ? 0.f : __frcp_rn(l[r]);  // NaN stays NaN
   }
   T* out_head = static_cast<T*>(p.out) + seq.out_offset(item.b, item.h);
   const int warp_row0 = item.wg_row0 + 16 * item.warp;
@@ -119,9 +121,9 @@ __device__ __forceinline__ void run_epilogue(const AttentionParams& p, typename 
     for (int r = 0; r < 2; ++r) {
       if (item.rows[r] >= seq.n_q(item.b)) continue;
       // l sums P~ * p_max.
-      const float lse = l[r] > 0.f ? (ml.softmax.m[r] + (log2f(l[r]) - log2f(p.p_max))) * 0.69314718055994531f +
-                                         p.sm_scale * qop.dot_kmean[r]
-                                   : -INFINITY;
+      const float lse = l[r] <= 0.f ? -INFINITY
+                                    : (ml.softmax.m[r] + (log2f(l[r]) - log2f(p.p_max))) * 0.69314718055994531f +
+                                          p.sm_scale * qop.dot_kmean[r];
       p.lse[seq.lse_offset(item.b, item.h) + (int64_t)item.rows[r] * p.lse_stride_n] = lse;
     }
   }

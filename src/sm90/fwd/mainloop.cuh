@@ -148,7 +148,10 @@ struct Mainloop {
       if (K::kPath == PVPath::int8 && p.quantized_row_sum) {
         // INT-FlashAttention: the denominator sums the quantized P (the codes, which are in
         // the row sum's units of P~ * p_max).
-        const float q_sum[2] = {float(code_sum[0]), float(code_sum[1])};
+        // (p_sum - p_sum) is +0, or NaN where a non-finite input reached the row: the codes
+        // of a NaN P are not NaN, so the float sum carries it into the denominator.
+        const float q_sum[2] = {float(code_sum[0]) + (p_sum[0] - p_sum[0]),
+                                float(code_sum[1]) + (p_sum[1] - p_sum[1])};
         softmax.add_row_sum(alpha, q_sum);
       } else {
         softmax.add_row_sum(alpha, p_sum);

@@ -120,27 +120,27 @@ struct QOperand {
 #pragma unroll
         for (int r = 0; r < 2; ++r)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) amax[r] = fmaxf(amax[r], fabsf(x[kc][half][r][i]));
+          for (int i = 0; i < 4; ++i) amax[r] = rules::max_nan(amax[r], fabsf(x[kc][half][r][i]));
 
     // The group map of tile.h, as reductions over the threads that share a group.
     switch (p.q_granularity) {
       case Granularity::per_token:
-        amax[0] = frag::quad_max(amax[0]);
-        amax[1] = frag::quad_max(amax[1]);
+        amax[0] = frag::quad_max_nan(amax[0]);
+        amax[1] = frag::quad_max_nan(amax[1]);
         break;
       case Granularity::per_thread:
-        amax[0] = amax[1] = frag::quad_max(fmaxf(amax[0], amax[1]));
+        amax[0] = amax[1] = frag::quad_max_nan(rules::max_nan(amax[0], amax[1]));
         break;
       case Granularity::per_warp:
-        amax[0] = amax[1] = frag::warp_max(fmaxf(amax[0], amax[1]));
+        amax[0] = amax[1] = frag::warp_max_nan(rules::max_nan(amax[0], amax[1]));
         break;
       default: {  // per_block: all consumer warpgroups (the whole Q tile)
-        const float w = frag::warp_max(fmaxf(amax[0], amax[1]));
+        const float w = frag::warp_max_nan(rules::max_nan(amax[0], amax[1]));
         if (lane == 0) s_red[consumer_warp] = w;
         named_barrier_sync(NamedBarrier::q_stats, 32 * kConsumerWarps);
         float m = s_red[0];
 #pragma unroll
-        for (int i = 1; i < kConsumerWarps; ++i) m = fmaxf(m, s_red[i]);
+        for (int i = 1; i < kConsumerWarps; ++i) m = rules::max_nan(m, s_red[i]);
         amax[0] = amax[1] = m;
         break;
       }

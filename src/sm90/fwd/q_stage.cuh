@@ -68,9 +68,9 @@ struct QStage {
             m = max_abs2(max_abs2(m, w.x, w.y), w.z, w.w);
           }
         const float2 f = gpu::word_to_float2<T>(m);
-        amax[r] = fmaxf(f.x, f.y);
+        amax[r] = rules::max_nan(f.x, f.y);
       }
-      if (!per_token) amax[0] = amax[1] = fmaxf(amax[0], amax[1]);
+      if (!per_token) amax[0] = amax[1] = rules::max_nan(amax[0], amax[1]);
       const uint32_t q_wg = q + cw * 64 * D;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -100,7 +100,7 @@ struct QStage {
   // max(m, |a|, |b|) per 16-bit half.
   __device__ __forceinline__ static uint32_t max_abs2(uint32_t m, uint32_t a, uint32_t b) {
     using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
-    const T2 r = __hmax2(__hmax2(*reinterpret_cast<const T2*>(&m), __habs2(*reinterpret_cast<const T2*>(&a))),
+    const T2 r = __hmax2_nan(__hmax2_nan(*reinterpret_cast<const T2*>(&m), __habs2(*reinterpret_cast<const T2*>(&a))),
                          __habs2(*reinterpret_cast<const T2*>(&b)));
     return *reinterpret_cast<const uint32_t*>(&r);
   }

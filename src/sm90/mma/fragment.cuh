@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "numerics/quant_rules.h"
+
 namespace sage::sm90::frag {
 
 __device__ __forceinline__ int group_of_lane(int lane) { return lane / 4; }
@@ -29,6 +31,16 @@ __device__ __forceinline__ float quad_max(float x) {
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+// The same with a NaN-propagating max (rules::max_nan), for quantization group maxima.
+__device__ __forceinline__ float quad_max_nan(float x) {
+  x = rules::max_nan(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return rules::max_nan(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float warp_max_nan(float x) {
+#pragma unroll
+  for (int off = 1; off < 32; off *= 2) x = rules::max_nan(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
 }
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
