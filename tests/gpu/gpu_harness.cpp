@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <sstream>
 #include <stdexcept>
 #include <thread>
 
@@ -76,6 +77,22 @@ Recipe GpuCase::recipe_options() const {
 
 bool GpuCase::prequantized() const { return preset(recipe).inputs == Inputs::prequantized_int8; }
 
+namespace {
+
+// "nan at k[b0 h1 n17 d5]": where a planted value sits, in (batch, head, token, channel).
+std::string describe_planted(const GpuCase& c, const PlantedValue& p) {
+  const int64_t heads = p.tensor == 'q' ? c.heads_q : c.heads_kv, n = p.tensor == 'q' ? c.n_q : c.n_kv;
+  const int64_t d = p.index % c.head_dim, token = p.index / c.head_dim % n, head = p.index / c.head_dim / n % heads,
+                b = p.index / c.head_dim / n / heads;
+  std::ostringstream os;
+  if (std::isnan(p.value)) os << "nan";
+  else os << (p.value > 0 ? "+" : "") << p.value;  // "+inf", "-inf"
+  os << " at " << p.tensor << "[b" << b << " h" << head << " n" << token << " d" << d << "]";
+  return os.str();
+}
+
+}  // namespace
+
 std::string GpuCase::describe() const {
   std::ostringstream os;
   os << recipe << (v_per_channel ? "+v_per_channel" : "");
@@ -89,6 +106,8 @@ std::string GpuCase::describe() const {
      << " Hkv" << heads_kv << " Nq" << n_q << " Nkv" << n_kv << " D" << head_dim
      << (causal ? " causal" : "") << (with_lse ? "" : " no-lse") << " " << distribution << " seed"
      << seed;
+  if (magnitude > 0.f) os << " magnitude " << magnitude << " on " << magnified;
+  for (const PlantedValue& p : planted) os << " " << describe_planted(*this, p);
   return os.str();
 }
 
@@ -142,11 +161,54 @@ Bounds bounds_for(const std::string& recipe) {
   return b;
 }
 
+namespace {
+
+// The kernel's LSE against the simulator's, rows both make NaN or the same infinity agreeing.
+void expect_lse_near_simulator(const GpuCase& c, const GpuResult& r) {
+  const Bounds b = bounds_for(c.recipe);
+  const Recipe recipe = c.recipe_options();
+  const bool quantized_sum =
+      recipe.row_sum == RowSum::quantized_p || rules::row_sum_in_pv_mma(recipe, int(c.head_dim));
+  if (quantized_sum) {
+    // One P code flip (above) moves a quantized row sum by one code step of that P, at most
+    // 1/8 of it (E4M3's 3 mantissa bits; INT8's 1/127 of p_max is less), so the row's LSE by
+    // at most log(1 + 1/8); one row in a thousand may show it (at least one per case).
+    const int64_t rows = int64_t(r.lse.size());
+    EXPECT_LE(r.lse_rows_beyond, std::max<int64_t>(1, rows / 1000)) << c.describe();
+    EXPECT_LE(r.lse_max_abs_vs_sim, std::log1p(0.125)) << c.describe();
+  } else {
+    EXPECT_LE(r.lse_max_abs_vs_sim, b.lse_sim) << c.describe();
+  }
+}
+
+// A case with planted NaN/inf inputs (docs/numerics.md, "Non-finite inputs"): the output's and
+// the LSE's non-finite pattern must be the simulator's exactly, nothing float64 attention makes
+// non-finite may come out finite, and the finite rest keeps the simulator bounds. Metrics
+// against float64 attention mean nothing here (its non-finite set is narrower by design).
+void expect_nonfinite_as_simulated(const GpuCase& c, const GpuResult& r) {
+  const Bounds b = bounds_for(c.recipe);
+  const NonFiniteStats& n = r.nonfinite;
+  std::printf("[nonfinite] %s | non-finite %lld mismatched %lld absorbed %lld | finite: sim cos %.7f l1 %.2e | lse sim %.2e\n",
+              c.describe().c_str(), (long long)n.in_output, (long long)n.mismatched, (long long)n.absorbed,
+              n.vs_sim_finite.cosine, n.vs_sim_finite.rel_l1, r.lse_max_abs_vs_sim);
+  EXPECT_EQ(r.unwritten, 0) << c.describe();
+  EXPECT_EQ(n.mismatched, 0) << c.describe()
+                             << ": output elements or LSE rows finite, NaN, +inf or -inf unlike the simulator's";
+  EXPECT_EQ(n.absorbed, 0) << c.describe() << ": non-finite in float64 attention, finite in the kernel";
+  EXPECT_GT(n.in_output, 0) << c.describe() << ": the planted values reached no output";
+  EXPECT_GE(n.vs_sim_finite.cosine, b.sim_cosine) << c.describe();
+  EXPECT_LE(n.vs_sim_finite.rel_l1, b.sim_rel_l1) << c.describe();
+  if (c.with_lse) expect_lse_near_simulator(c, r);
+}
+
+}  // namespace
+
 void expect_within_bounds(const GpuCase& c, const GpuResult& r) {
   if (!r.error.empty()) {
     ADD_FAILURE() << c.describe() << ": the GPU path threw: " << r.error;
     return;
   }
+  if (!c.planted.empty()) return expect_nonfinite_as_simulated(c, r);
   const Bounds b = bounds_for(c.recipe);
   std::printf("[metrics] %s | sim cos %.7f l1 %.2e max %.2e | exact cos %.6f l1 %.4f | lse sim %.2e exact %.2e\n",
               c.describe().c_str(), r.vs_sim.cosine, r.vs_sim.rel_l1, r.vs_sim.max_abs, r.vs_exact.cosine,
@@ -158,21 +220,102 @@ void expect_within_bounds(const GpuCase& c, const GpuResult& r) {
   EXPECT_GE(r.vs_exact.cosine, r.sim_vs_exact.cosine - (1 - b.sim_cosine)) << c.describe();
   EXPECT_LE(r.vs_exact.rel_l1, r.sim_vs_exact.rel_l1 + b.sim_rel_l1) << c.describe();
   if (c.with_lse) {
-    const Recipe recipe = c.recipe_options();
-    const bool quantized_sum = recipe.row_sum == RowSum::quantized_p ||
-                               rules::row_sum_in_pv_mma(recipe, int(c.head_dim));
-    if (quantized_sum) {
-      // One P code flip (above) moves a quantized row sum by one code step of that P, at most
-      // 1/8 of it (E4M3's 3 mantissa bits; INT8's 1/127 of p_max is less), so the row's LSE by
-      // at most log(1 + 1/8); one row in a thousand may show it (at least one per case).
-      const int64_t rows = int64_t(r.lse.size());
-      EXPECT_LE(r.lse_rows_beyond, std::max<int64_t>(1, rows / 1000)) << c.describe();
-      EXPECT_LE(r.lse_max_abs_vs_sim, std::log1p(0.125)) << c.describe();
-    } else {
-      EXPECT_LE(r.lse_max_abs_vs_sim, b.lse_sim) << c.describe();
-    }
+    expect_lse_near_simulator(c, r);
     EXPECT_LE(r.lse_max_abs_vs_exact, r.lse_sim_vs_exact + b.lse_sim) << c.describe();
   }
+}
+
+// ---- inputs and the non-finite comparison (host only: the CPU-side tests use them too) ------
+
+namespace {
+
+// One tensor's values: "zeros", "huge" (uniform in +-60000), or a synthetic distribution's
+// tensor (`which` picks it from the three make_synthetic returns).
+std::vector<float> distribution_values(const GpuCase& c, const reference::SyntheticInputs* synthetic, char which,
+                                       int64_t heads, int64_t n) {
+  const int64_t count = c.batch * heads * n * c.head_dim;
+  std::vector<float> x(count, 0.f);
+  if (c.distribution == "zeros") return x;
+  if (c.distribution == "huge") {
+    reference::Rng rng(c.seed * 7 + which);
+    for (auto& e : x) e = float((rng.uniform() * 2 - 1) * 60000.0);
+    return x;
+  }
+  const std::vector<uint16_t>& src = which == 'q' ? synthetic->q : which == 'k' ? synthetic->k : synthetic->v;
+  for (int64_t i = 0; i < count; ++i) x[i] = fmt::fp16_from_bits(src[i]);
+  return x;
+}
+
+// Scales x so that its largest |value| is `magnitude` (an all-zero tensor stays zero).
+void scale_to_magnitude(std::vector<float>& x, float magnitude) {
+  float amax = 0.f;
+  for (float e : x) amax = std::max(amax, std::fabs(e));
+  if (amax == 0.f) return;
+  const double factor = double(magnitude) / double(amax);
+  for (float& e : x) e = float(double(e) * factor);
+}
+
+}  // namespace
+
+CaseValues case_values(const GpuCase& c) {
+  // One make_synthetic call gives all three tensors: calling it per tensor would triple the
+  // serial host time of a thousand-case list.
+  std::unique_ptr<reference::SyntheticInputs> synthetic;
+  if (c.distribution != "zeros" && c.distribution != "huge") {
+    reference::SyntheticShape s;
+    s.batch = c.batch, s.heads_q = c.heads_q, s.heads_kv = c.heads_kv, s.n_q = c.n_q, s.n_kv = c.n_kv;
+    s.head_dim = c.head_dim;
+    synthetic = std::make_unique<reference::SyntheticInputs>(reference::make_synthetic(c.distribution, s, c.seed));
+  }
+  CaseValues x;
+  x.q = distribution_values(c, synthetic.get(), 'q', c.heads_q, c.n_q);
+  x.k = distribution_values(c, synthetic.get(), 'k', c.heads_kv, c.n_kv);
+  x.v = distribution_values(c, synthetic.get(), 'v', c.heads_kv, c.n_kv);
+  auto tensor = [&x](char which) -> std::vector<float>& { return which == 'q' ? x.q : which == 'k' ? x.k : x.v; };
+  if (c.magnitude > 0.f)
+    for (char which : c.magnified) scale_to_magnitude(tensor(which), c.magnitude);
+  for (const PlantedValue& p : c.planted) tensor(p.tensor).at(size_t(p.index)) = p.value;
+  return x;
+}
+
+namespace {
+
+enum class ValueClass { finite, nan, plus_inf, minus_inf };
+
+ValueClass class_of(float x) {
+  if (std::isnan(x)) return ValueClass::nan;
+  if (std::isinf(x)) return x > 0 ? ValueClass::plus_inf : ValueClass::minus_inf;
+  return ValueClass::finite;
+}
+
+// The simulator's float output as the kernel's output dtype holds it (a finite float beyond
+// that dtype's range is an infinity there).
+float as_stored(float x, DType dtype) {
+  if (dtype == DType::f16) return fmt::round_fp16(x);
+  if (dtype == DType::bf16) return fmt::round_bf16(x);
+  return x;
+}
+
+}  // namespace
+
+NonFiniteStats compare_nonfinite(DType out_dtype, const std::vector<float>& got, const std::vector<float>& sim,
+                                 const std::vector<float>& exact, const std::vector<float>& got_lse,
+                                 const std::vector<float>& sim_lse, const std::vector<float>& exact_lse) {
+  NonFiniteStats s;
+  std::vector<float> got_finite, sim_finite;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const ValueClass g = class_of(got[i]), m = class_of(as_stored(sim[i], out_dtype));
+    s.mismatched += g != m;
+    s.in_output += g != ValueClass::finite;
+    s.absorbed += g == ValueClass::finite && !std::isfinite(exact[i]);
+    if (g == ValueClass::finite && m == ValueClass::finite) got_finite.push_back(got[i]), sim_finite.push_back(sim[i]);
+  }
+  for (size_t i = 0; i < got_lse.size(); ++i) {
+    s.mismatched += class_of(got_lse[i]) != class_of(sim_lse[i]);
+    s.absorbed += std::isfinite(got_lse[i]) && !std::isfinite(exact_lse[i]);
+  }
+  s.vs_sim_finite = reference::compare(got_finite.data(), sim_finite.data(), int64_t(got_finite.size()));
+  return s;
 }
 
 #ifdef SAGE_WITH_CUDA
@@ -289,24 +432,6 @@ HostTensor make_rows(const GpuCase& c, const std::vector<int64_t>& shape, const 
   return t;
 }
 
-std::vector<float> values_for(const GpuCase& c, char which, int64_t heads, int64_t n) {
-  const int64_t count = c.batch * heads * n * c.head_dim;
-  std::vector<float> x(count);
-  if (c.distribution == "zeros") return std::vector<float>(count, 0.f);
-  if (c.distribution == "huge") {
-    reference::Rng rng(c.seed * 7 + which);
-    for (auto& e : x) e = float((rng.uniform() * 2 - 1) * 60000.0);
-    return x;
-  }
-  reference::SyntheticShape s;
-  s.batch = c.batch, s.heads_q = c.heads_q, s.heads_kv = c.heads_kv, s.n_q = c.n_q, s.n_kv = c.n_kv;
-  s.head_dim = c.head_dim;
-  const reference::SyntheticInputs in = reference::make_synthetic(c.distribution, s, c.seed);
-  const std::vector<uint16_t>& src = which == 'q' ? in.q : which == 'k' ? in.k : in.v;
-  for (int64_t i = 0; i < count; ++i) x[i] = fmt::fp16_from_bits(src[i]);
-  return x;
-}
-
 std::vector<uint16_t> fp16_bits_of(const std::vector<float>& x) {
   std::vector<uint16_t> out(x.size());
   for (size_t i = 0; i < x.size(); ++i) out[i] = fmt::fp16_bits(x[i]);
@@ -333,8 +458,12 @@ CaseTensors::CaseTensors(const GpuCase& c) : impl_(std::make_unique<Impl>()) {
   m.c = c;
   const bool preq = c.prequantized();
   const int64_t d = c.head_dim;
-  const std::vector<float> qf = values_for(c, 'q', c.heads_q, c.n_q), kf = values_for(c, 'k', c.heads_kv, c.n_kv),
-                           vf = values_for(c, 'v', c.heads_kv, c.n_kv);
+  if (preq && !c.planted.empty())
+    throw std::invalid_argument("planted non-finite values need floating-point inputs, not " + c.recipe + "'s INT8");
+  const CaseValues values = case_values(c);
+  const std::vector<float>& qf = values.q;
+  const std::vector<float>& kf = values.k;
+  const std::vector<float>& vf = values.v;
   if (!preq) {
     m.q = make_attention_tensor(c, c.dtype, c.heads_q, c.n_q, kInputFill16);
     m.k = make_attention_tensor(c, c.dtype, c.heads_kv, c.n_kv, kInputFill16);
@@ -442,9 +571,13 @@ void run_on_device(CaseTensors& t, GpuResult& res) {
   t.download();
   res.out_bits = t.out_bits();
   res.lse = t.lse();
-  // Every logical output element must have been written (the poison is a NaN).
+  // Every logical output element must have been written. The poison is a NaN with its own
+  // payload, so the bits tell it from a NaN the kernel wrote (the canonical 0x7FFF).
+  const DType dt = t.spec().dtype;
+  const float poison = dt == DType::f16 ? fmt::fp16_from_bits(uint16_t(out_poison(dt)))
+                                        : fmt::bf16_from_bits(uint16_t(out_poison(dt)));
   const std::vector<float> vals = reference::read_bhnd_f32(t.host_args().out, t.spec().layout);
-  for (float x : vals) res.unwritten += std::isnan(x) ? 1 : 0;
+  for (float x : vals) res.unwritten += std::memcmp(&x, &poison, sizeof x) == 0 ? 1 : 0;
 }
 
 // The host half: simulate and exact from the same strided host tensors, and the metrics.
@@ -472,9 +605,14 @@ void compute_references(const CaseTensors& t, GpuResult& res) {
   res.vs_sim = reference::compare(got.out, c.layout, sim_view, Layout::HND);
   res.vs_exact = reference::compare(got.out, c.layout, ex_view, Layout::HND);
   res.sim_vs_exact = reference::compare(sim.data(), ex.data(), int64_t(sim.size()));
+  res.nonfinite = compare_nonfinite(c.dtype, reference::read_bhnd_f32(got.out, c.layout), sim, ex, res.lse,
+                                    c.with_lse ? sim_lse : std::vector<float>{}, ex_lse);
   if (c.with_lse) {
+    // Rows both make NaN or the same infinity agree; a NaN in one only is infinitely far
+    // (std::max would drop a NaN difference).
     const auto diff = [](float a, float b) {
       if (std::isinf(a) && std::isinf(b) && (a < 0) == (b < 0)) return 0.0;
+      if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b) ? 0.0 : INFINITY;
       return std::fabs(double(a) - double(b));
     };
     const double bound = bounds_for(c.recipe).lse_sim;

@@ -36,6 +36,15 @@ const std::vector<std::string>& gpu_presets();
 // Presets with no Hopper kernel by design (FP4 needs Blackwell): refused by name.
 const std::vector<std::string>& cpu_only_presets();
 
+// A value written over one input element after the distribution (and the magnitude): NaN, +inf
+// or -inf, for the non-finite cases (docs/numerics.md, "Non-finite inputs"). Only for recipes
+// that take floating-point inputs: prequantized INT8 inputs are finite by construction.
+struct PlantedValue {
+  char tensor = 'q';  // 'q', 'k' or 'v'
+  int64_t index = 0;  // into that tensor's HND-ordered [batch, heads, n, head_dim] values
+  float value = 0.f;
+};
+
 struct GpuCase {
   int64_t batch = 1, heads_q = 2, heads_kv = 2, n_q = 128, n_kv = 128, head_dim = 128;
   bool causal = false;
@@ -51,12 +60,39 @@ struct GpuCase {
   int k_mean_stride = 0;       // > 0: the recipe's k_mean_stride instead of the preset's
   std::string distribution = "normal";  // a synthetic distribution, or "zeros", "huge"
   uint64_t seed = 0;
+  // > 0: each tensor named in `magnified` is scaled so that its largest |value| is this (before
+  // rounding to the input dtype): extreme magnitudes from any distribution's shape.
+  float magnitude = 0.f;
+  std::string magnified = "qkv";
+  std::vector<PlantedValue> planted;  // non-empty: expect_within_bounds checks the NaN pattern
   std::string describe() const;
   // The Recipe this case runs: the preset, with v_scale per channel when v_per_channel, and
   // p_range, row_sum float_p, smooth_k off and k_mean_stride when set.
   Recipe recipe_options() const;
   bool prequantized() const;
 };
+
+// Non-finite outputs of a case against its references. A class is finite, NaN, +inf or -inf;
+// the simulator's output is classed as the output dtype would store it.
+struct NonFiniteStats {
+  int64_t mismatched = 0;  // output elements and LSE rows whose class differs from the simulator's
+  int64_t in_output = 0;   // output elements the kernel made non-finite
+  int64_t absorbed = 0;    // output elements and LSE rows non-finite in float64 attention, finite here
+  reference::ErrorStats vs_sim_finite;  // output elements finite in both, against the simulator
+};
+
+// The pattern comparison on dense HND arrays (`got` already in the output dtype; `lse*` may be
+// empty when the case has no LSE). Host-only: the CPU tests check it too.
+NonFiniteStats compare_nonfinite(DType out_dtype, const std::vector<float>& got, const std::vector<float>& sim,
+                                 const std::vector<float>& exact, const std::vector<float>& got_lse,
+                                 const std::vector<float>& sim_lse, const std::vector<float>& exact_lse);
+
+// The case's q, k and v values, HND-ordered [batch, heads, n, head_dim] floats before rounding
+// to the input dtype: the distribution, then the magnitude, then the planted values.
+struct CaseValues {
+  std::vector<float> q, k, v;
+};
+CaseValues case_values(const GpuCase& c);
 
 struct GpuResult {
   reference::ErrorStats vs_sim, vs_exact;
@@ -69,6 +105,7 @@ struct GpuResult {
   std::vector<uint16_t> out_bits;  // the raw output storage, for bit-identity checks
   std::vector<float> lse;          // the raw LSE (when the case asks for it)
   std::string error;               // run_gpu_cases only: what the GPU path threw, if anything
+  NonFiniteStats nonfinite;        // the output's and LSE's non-finite pattern against the references
 };
 
 // Runs one case on the GPU and, when asked, computes both references on the host. Throws
