@@ -256,12 +256,20 @@ SAGE_HD float bf16_from_bits(uint16_t h) {
 // x rounded to binary16 and back (what storing to fp16 does; overflow gives inf).
 SAGE_HD float round_fp16(float x) { return fp16_from_bits(fp16_bits(x)); }
 
-// As round_fp16, but overflow and +-inf saturate to +-65504 (cvt.rn.satfinite.f16.f32),
-// the behaviour of an fp16 accumulator that must not blow up. NaN stays NaN.
+// As round_fp16, but overflow and +-inf saturate to +-65504 (cvt.rn.satfinite.f16.f32).
+// NaN stays NaN.
 SAGE_HD float round_fp16_satfinite(float x) {
   const uint16_t h = fp16_bits(x);
   if ((h & 0x7FFFu) == 0x7C00u) return fp16_from_bits(static_cast<uint16_t>((h & 0x8000u) | 0x7BFFu));
   return fp16_from_bits(h);
+}
+
+// As round_fp16_satfinite for finite x (a value out of fp16's range, such as a bf16 input or
+// a smoothed V, saturates), but an infinity stays an infinity: non-finite inputs propagate
+// (docs/numerics.md, "Non-finite inputs").
+SAGE_HD float round_fp16_saturate_overflow(float x) {
+  if ((detail::f32_bits(x) & detail::kAbsMask) == detail::kInfBits) return x;
+  return round_fp16_satfinite(x);
 }
 
 // x rounded to bfloat16 and back; NaN stays NaN.

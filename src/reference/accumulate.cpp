@@ -17,7 +17,7 @@ void step_sum(const PTile& p, const VOperand& v, int64_t j0, int64_t t0, int64_t
   std::fill(s, s + d, 0.0);
   for (int64_t t = t0; t < t1; ++t) {
     const double pt = p.values[t];
-    if (pt == 0.0) continue;
+    if (pt == 0.0 && !v.nonfinite) continue;
     const float* vt = v.values.data() + (j0 + t) * d;
     for (int64_t c = 0; c < d; ++c) s[c] += pt * vt[c];
   }
@@ -33,13 +33,26 @@ void step_sum(const PTile& p, const VOperand& v, int64_t j0, int64_t t0, int64_t
 // lose beside a large one, which biased a sum of positive P upwards.)
 // product(t, c): the exact product of token t's P and channel c's V (double); tokens [t0, t1).
 // grid, step: d doubles of scratch each.
+// A NaN or an infinity among the terms gives their IEEE sum (NaN, or an infinity), as the
+// tensor core's does; the grid is for finite terms.
 template <class Product>
 void fp8_mma_step(int64_t d, int64_t t0, int64_t t1, Product product, float* acc, double* grid,
                   double* step) {
   for (int64_t c = 0; c < d; ++c) grid[c] = std::fabs(double(acc[c]));  // the largest |term|
   for (int64_t t = t0; t < t1; ++t)
-    for (int64_t c = 0; c < d; ++c) grid[c] = std::max(grid[c], std::fabs(product(t, c)));
+    for (int64_t c = 0; c < d; ++c) {
+      const double term = std::fabs(product(t, c));
+      grid[c] = std::isnan(term) || std::isnan(grid[c]) ? term + grid[c] : std::max(grid[c], term);
+    }
   for (int64_t c = 0; c < d; ++c) {
+    if (std::isfinite(grid[c])) continue;
+    double sum = double(acc[c]);
+    for (int64_t t = t0; t < t1; ++t) sum += product(t, c);
+    acc[c] = static_cast<float>(sum);
+    grid[c] = -1.0;  // done: the finite-grid passes below leave this channel alone
+  }
+  for (int64_t c = 0; c < d; ++c) {
+    if (grid[c] < 0.0) continue;
     int e = 0;
     std::frexp(grid[c], &e);  // largest = m 2^e, m in [0.5, 1): its leading bit is 2^(e - 1)
     // The inverse of the grid 2^(e - 14), or 0 where every term is 0 (they all stay 0).
@@ -49,7 +62,8 @@ void fp8_mma_step(int64_t d, int64_t t0, int64_t t1, Product product, float* acc
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t c = 0; c < d; ++c)
       if (grid[c] > 0.0) step[c] += std::trunc(product(t, c) * grid[c]) / grid[c];
-  for (int64_t c = 0; c < d; ++c) acc[c] = truncate_double_to_fp22(step[c]);
+  for (int64_t c = 0; c < d; ++c)
+    if (grid[c] >= 0.0) acc[c] = truncate_double_to_fp22(step[c]);
 }
 
 // fp8_mma_step over tokens [t0, t1) of the tile, for every channel of v.

@@ -254,7 +254,7 @@ std::vector<float> row_dots(const BackwardHeadInputs& in) {
 
 }  // namespace
 
-float round16(float x, bool bf16) { return bf16 ? fmt::round_bf16(x) : fmt::round_fp16_satfinite(x); }
+float round16(float x, bool bf16) { return bf16 ? fmt::round_bf16(x) : fmt::round_fp16_saturate_overflow(x); }
 
 Int8Rows quantize_row_blocks(const float* x, int64_t n, int64_t cols, int64_t rows_per_block) {
   Int8Rows q;

@@ -97,7 +97,10 @@ VOperand quantize_v(const float* v, int64_t n, int64_t d, const Recipe& r, int64
   op.d = d;
   op.values.resize(static_cast<size_t>(n * d));
   if (r.pv_format == PVFormat::fp16) {
-    for (int64_t i = 0; i < n * d; ++i) op.values[i] = fmt::round_fp16_satfinite(v[i]);
+    for (int64_t i = 0; i < n * d; ++i) {
+      op.values[i] = fmt::round_fp16_saturate_overflow(v[i]);
+      op.nonfinite = op.nonfinite || !std::isfinite(op.values[i]);
+    }
     return op;
   }
   if (r.v_scale == VScale::per_block) {

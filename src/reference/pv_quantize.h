@@ -21,6 +21,9 @@ struct VOperand {
                                      // or (per_block) carries its scale in block_scale
   int64_t block = 0;                 // per_block: tokens per block (the KV tile)
   std::vector<float> block_scale;    // per_block: dequantized V = code * block_scale[t / block]
+  // fp16 V only: some value is an infinity or a NaN. Then a P of 0 times it is NaN, as in the
+  // kernel's MMA (docs/numerics.md, "Non-finite inputs"), where otherwise a zero P is skipped.
+  bool nonfinite = false;
 
   // The scale a KV tile starting at token j0 applies inside its PV accumulation: per_block
   // V's, 1 otherwise.

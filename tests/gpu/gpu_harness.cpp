@@ -64,6 +64,10 @@ Recipe GpuCase::recipe_options() const {
     r.row_sum = RowSum::float_p;
     r.name += "+float_row_sum";
   }
+  if (balance) {
+    r.qk_channel_balance = true;
+    r.name += "+balance";
+  }
   if (no_smooth_k) {
     r.smooth_k = false;
     r.name += "+no_smooth_k";
@@ -100,6 +104,7 @@ std::string GpuCase::describe() const {
   if (float_row_sum) os << " float_row_sum";
   if (no_smooth_k) os << " no_smooth_k";
   if (k_mean_stride > 0) os << " k_mean_stride " << k_mean_stride;
+  if (balance) os << " balance";
   os << " "
      << (prequantized() ? std::string("i8->") : std::string()) << dtype_name(dtype) << " "
      << layout_name(layout) << (strided ? " strided" : "") << " B" << batch << " Hq" << heads_q
@@ -217,7 +222,15 @@ void expect_within_bounds(const GpuCase& c, const GpuResult& r) {
   EXPECT_EQ(r.vs_sim.nonfinite, 0) << c.describe();
   EXPECT_GE(r.vs_sim.cosine, b.sim_cosine) << c.describe();
   EXPECT_LE(r.vs_sim.rel_l1, b.sim_rel_l1) << c.describe();
-  EXPECT_GE(r.vs_exact.cosine, r.sim_vs_exact.cosine - (1 - b.sim_cosine)) << c.describe();
+  // Against exact attention, the triangle inequalities through the simulator: of angles for
+  // the cosine (angle(kernel, exact) <= angle(kernel, sim) + angle(sim, exact), the first at
+  // most the bound's), of L1 distances for rel L1. Subtracting the cosine deviations instead
+  // held only while the recipe's own error was small: on inputs where it is large (cosine
+  // 0.93-0.99: extreme magnitudes, channel_offset) the cross term decides, and kernels within
+  // the simulator bound landed 1e-7 to 4e-5 outside it.
+  const auto angle = [](double cosine) { return std::acos(std::clamp(cosine, -1.0, 1.0)); };
+  EXPECT_LE(angle(r.vs_exact.cosine), angle(r.sim_vs_exact.cosine) + angle(b.sim_cosine) + 1e-12)
+      << c.describe() << ": exact cosine " << r.vs_exact.cosine << ", simulator's " << r.sim_vs_exact.cosine;
   EXPECT_LE(r.vs_exact.rel_l1, r.sim_vs_exact.rel_l1 + b.sim_rel_l1) << c.describe();
   if (c.with_lse) {
     expect_lse_near_simulator(c, r);

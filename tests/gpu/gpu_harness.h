@@ -58,6 +58,7 @@ struct GpuCase {
   bool float_row_sum = false;  // row_sum float_p instead of the preset's
   bool no_smooth_k = false;    // K not smoothed (the Q stage then also runs with the LSE)
   int k_mean_stride = 0;       // > 0: the recipe's k_mean_stride instead of the preset's
+  bool balance = false;        // qk_channel_balance on (floating inputs only)
   std::string distribution = "normal";  // a synthetic distribution, or "zeros", "huge"
   uint64_t seed = 0;
   // > 0: each tensor named in `magnified` is scaled so that its largest |value| is this (before
@@ -67,7 +68,7 @@ struct GpuCase {
   std::vector<PlantedValue> planted;  // non-empty: expect_within_bounds checks the NaN pattern
   std::string describe() const;
   // The Recipe this case runs: the preset, with v_scale per channel when v_per_channel, and
-  // p_range, row_sum float_p, smooth_k off and k_mean_stride when set.
+  // p_range, row_sum float_p, smooth_k off, k_mean_stride and qk_channel_balance when set.
   Recipe recipe_options() const;
   bool prequantized() const;
 };
@@ -123,8 +124,9 @@ void expect_cases_within_bounds(const std::vector<GpuCase>& cases);
 
 // The kernel-vs-simulator bounds, justified per recipe family in gpu_harness.cpp and in
 // docs/performance.md ("Correctness of the kernels"). Against exact attention the kernel may be
-// no worse than the simulator's own error on the same inputs (the recipe's error, bounded per
-// recipe in test_simulator.cpp) plus the kernel-vs-simulator deviation.
+// no further than the simulator's own error on the same inputs (the recipe's error, bounded
+// per recipe in test_simulator.cpp) plus the kernel-vs-simulator deviation, by the triangle
+// inequality (of angles for the cosine).
 struct Bounds {
   double sim_cosine, sim_rel_l1, lse_sim;
 };
