@@ -125,7 +125,7 @@ int run_check(const std::vector<std::string>& args) {
        {"k-mean-stride", "S", "take K smoothing's mean over every S-th key (1: every key), "
                               "instead of the preset's stride (recipes that smooth K)"},
        {"qk-channel-balance", "", "migrate scale between Q and K per channel before "
-                                  "quantizing them (simulator only; docs/numerics.md)"},
+                                  "quantizing them (docs/numerics.md)"},
        {"backward", "", "the gradients dQ, dK, dV instead of the output (CPU; the recipes with "
                         "a backward: sagebwd)"},
        {"dp-format", "fp16|int8", "with --backward: dP = dO V^T in this format instead of the "
@@ -193,8 +193,6 @@ int run_check(const std::vector<std::string>& args) {
   for (const std::string& name : recipes) checked_recipe(name);  // usage errors before any work
 
   bool on_gpu = false;
-  if (balance && device_flag == "gpu")
-    throw UsageError("sage check: --qk-channel-balance has no GPU kernel yet; use --device cpu");
   if (device_flag == "gpu") {
     if (!gpu_available())
       throw UsageError("sage check: --device gpu needs a CUDA GPU of compute capability 9.0, and "
@@ -202,7 +200,7 @@ int run_check(const std::vector<std::string>& args) {
                        "); use --device cpu or auto");
     on_gpu = true;
   } else if (device_flag == "auto") {
-    on_gpu = !balance && gpu_available();  // the balance runs on the simulator only
+    on_gpu = gpu_available();
   }
   if (!json.empty()) check_writable("sage check", "json", json);
 

@@ -89,7 +89,7 @@ std::string qk_words(const Recipe& r, int head_dim) {
   if (r.qk_channel_balance)
     os << " Scale migrates between Q and K per channel before quantization: q_c / s_c and "
           "k_c * s_c with s_c a power of two near sqrt(max|Q_c| / max|K'_c|), so q . k is "
-          "unchanged (simulator only).";
+          "unchanged.";
   return os.str();
 }
 
@@ -434,15 +434,18 @@ int run_docs(const std::vector<std::string>& args) {
 
   write_speed(os, bench_paths);
 
-  // Options that keep the presets faithful to their papers by being off in all of them.
-  os << "## Options no preset takes\n\n"
-     << "- `qk_channel_balance` (simulator only: the GPU refuses it by name, no sm_90 kernel "
-        "yet): scale migrates between Q and K per channel before quantization, q_c / s_c and "
-        "k'_c * s_c with s_c a power of two near sqrt(max|Q_c| / max|K'_c|) per (batch, KV "
-        "head). Exact in math; it recovers the accuracy the presets lose on `channel_offset` "
-        "(issue 35; sage2_8b from cosine 0.994 to 0.9994 at d = 64-128), and changes nothing "
-        "on `normal`. [numerics](numerics.md#2-smoothing-once-per-kv-head-for-k-and-v-once-per-q-tile-for-q) "
-        "states its arithmetic; `sage check --qk-channel-balance` measures it.\n\n";
+  // The one option the paper presets leave off, and the preset that takes it.
+  os << "## The Q/K channel balance\n\n"
+     << "- `qk_channel_balance` (GPU and simulator; on in `sage2_8b_balanced`, which Python's "
+        "`recipe=\"auto\"` runs on Hopper, off in every paper preset): scale migrates between Q "
+        "and K per channel before quantization, q_c / s_c and k'_c * s_c with s_c a power of two "
+        "near sqrt(max|Q_c| / max|K'_c|) per (batch, KV head), the ranges taken over every "
+        "k_mean_stride-th token. Exact in math; it recovers the accuracy the presets lose on "
+        "`channel_offset` (issue 35; sage2_8b from cosine 0.994 to 0.9993 at d = 64-128) and "
+        "leaves `normal` within the recipe's own error. It costs a read of the sampled Q tokens "
+        "before the K/V pre-pass, and K quantized ahead of Q (`quantize_kv`) cannot take it. "
+        "[numerics](numerics.md#2-smoothing-once-per-kv-head-for-k-and-v-once-per-q-tile-for-q) "
+        "states its arithmetic; `sage check --qk-channel-balance` measures it on any preset.\n\n";
 
   os << "## Each preset\n\n";
   for (size_t i = 0; i < all.size(); ++i) {

@@ -146,10 +146,11 @@ struct Recipe {
   Granularity bwd_ds_granularity = Granularity::per_block;
 };
 
-// The papers' configurations.
+// The papers' configurations, and sagekit's default built on one.
 //   sage1_t, sage1_b, sage1_vt, sage1_vb   SageAttention (INT8 QK, K smoothing)
 //   sage2_8b (default on Hopper), sage2_4b SageAttention2 (per-thread, FP8 PV, two-level)
 //   sage2_8b_vsmooth                        SageAttention2 with V smoothing
+//   sage2_8b_balanced ("auto" on Hopper)     sage2_8b with qk_channel_balance (sagekit's own)
 //   sage2pp_8b, sage2pp_4b                  SageAttention2++ (FP16-accumulated FP8 PV)
 //   sage3_fp4                               SageAttention3 (NVFP4, two-level P)
 //   int_flash, int_flash_q                  INT-FlashAttention (prequantized / fp16 inputs)

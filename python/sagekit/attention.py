@@ -68,8 +68,8 @@ def sageattn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool 
     float16 or bfloat16 CUDA tensors; Hq a multiple of Hkv (GQA / MQA). Views with any
     strides and storage offsets are used in place; only head_dim must be contiguous.
     is_causal aligns the mask bottom-right (query i sees keys j <= i + Nkv - Nq).
-    scale defaults to 1/sqrt(D). recipe: "auto" (sage2_8b on compute capability 9.0, an
-    error elsewhere), a preset name, a spec string or a dict of options.
+    scale defaults to 1/sqrt(D). recipe: "auto" (sage2_8b_balanced on compute capability
+    9.0, an error elsewhere), a preset name, a spec string or a dict of options.
     Returns the output (q's shape and dtype), and with return_lse also the float32
     natural-log sum of exp [B, Hq, Nq].
     Prequantized inputs (recipe "int_flash"): int8 q/k/v with float32 q_scale, k_scale,

@@ -197,8 +197,8 @@ def _run(call: CompatCall, q: Any, k: Any, v: Any):
 
 def sageattn(q, k, v, tensor_layout: str = "HND", is_causal: bool = False,
              sm_scale: Optional[float] = None, return_lse: bool = False, **kwargs: Any):
-    """The reference's automatic entry point: sagekit.sageattn with recipe "auto" (sage2_8b on
-    Hopper; elsewhere an error, as sagekit has kernels for compute capability 9.0 only).
+    """The reference's automatic entry point: sagekit.sageattn with recipe "auto"
+    (sage2_8b_balanced on Hopper; elsewhere an error, as sagekit has kernels for compute capability 9.0 only).
 
     q [B, Hq, Nq, D], k/v [B, Hkv, Nkv, D] for tensor_layout "HND" ([B, N, H, D] for "NHD"),
     float16/bfloat16 CUDA tensors, D <= 128. Returns the output, and with return_lse also the

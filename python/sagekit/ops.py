@@ -48,8 +48,17 @@ def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def resolve_auto(recipe: str, device: torch.device) -> str:
-    """'auto' is sage2_8b on compute capability 9.0; anything else is an error, not a guess."""
+# What "auto" runs on compute capability 9.0: in one call, sage2_8b with the Q/K channel
+# balance (docs/recipes.md); K/V quantized ahead of Q (quantize_kv and
+# attention_from_quantized_kv) cannot be balanced against a Q it has not seen, so there it is
+# sage2_8b.
+AUTO_RECIPE = "sage2_8b_balanced"
+AUTO_RECIPE_TWO_STEP = "sage2_8b"
+
+
+def resolve_auto(recipe: str, device: torch.device, two_step: bool = False) -> str:
+    """'auto' is sage2_8b_balanced (sage2_8b for the two-step path) on compute capability
+    9.0; anything else is an error, not a guess."""
     if recipe != "auto":
         return recipe
     index = _device_index(device)
@@ -57,9 +66,9 @@ def resolve_auto(recipe: str, device: torch.device) -> str:
     if cap is None:
         cap = _capability[index] = torch.cuda.get_device_capability(index)
     if cap == (9, 0):
-        return "sage2_8b"
+        return AUTO_RECIPE_TWO_STEP if two_step else AUTO_RECIPE
     raise RuntimeError(
-        f"sagekit: recipe='auto' picks sage2_8b on GPUs of compute capability 9.0 (Hopper); "
+        f"sagekit: recipe='auto' picks {AUTO_RECIPE} on GPUs of compute capability 9.0 (Hopper); "
         f"cuda:{index} is {torch.cuda.get_device_name(index)} with compute capability "
         f"{cap[0]}.{cap[1]}, for which sagekit has no kernels (no fallback is taken)")
 
@@ -170,7 +179,7 @@ def _quantize_kv_body(k: torch.Tensor, v: torch.Tensor, layout: str, recipe: str
                 k_scale: Optional[torch.Tensor],
                 v_scale: Optional[torch.Tensor]) -> torch.Tensor:
     _require_cuda_build()
-    recipe = resolve_auto(recipe, k.device)
+    recipe = resolve_auto(recipe, k.device, two_step=True)
     nbytes = _C.kv_workspace_bytes(*_layout_dims(k, layout, "k"), recipe=recipe)
     # The workspace is the op's output, so torch owns it and frees it with the last
     # reference. The caching allocator carves blocks at 512-byte multiples out of cudaMalloc'd
@@ -192,9 +201,9 @@ def _quantize_kv_fake(k, v, layout, recipe, k_scale, v_scale):
     dims = _layout_dims(k, layout, "k")
     if _C.cuda_built and all(type(x) is int for x in dims):
         # kv_workspace_bytes is shape arithmetic (no device is touched), so the fake has the
-        # real op's exact size. "auto" only ever runs as sage2_8b (elsewhere the real op
-        # raises), so that is the size it gets here.
-        nbytes = _C.kv_workspace_bytes(*dims, recipe="sage2_8b" if recipe == "auto" else recipe)
+        # real op's exact size. "auto" only ever runs as AUTO_RECIPE_TWO_STEP here (elsewhere
+        # the real op raises), so that is the size it gets.
+        nbytes = _C.kv_workspace_bytes(*dims, recipe=AUTO_RECIPE_TWO_STEP if recipe == "auto" else recipe)
     else:
         # No exact count: a build without CUDA has no workspace layout (its
         # kv_workspace_bytes raises, like every GPU entry point there), and symbolic sizes
@@ -212,7 +221,7 @@ def _attention_from_quantized_kv_body(q: torch.Tensor, k: torch.Tensor, v: torch
                                 v_scale: Optional[torch.Tensor], out_dtype: Optional[torch.dtype]
                                 ) -> Tuple[torch.Tensor, torch.Tensor]:
     _require_cuda_build()
-    recipe = resolve_auto(recipe, q.device)
+    recipe = resolve_auto(recipe, q.device, two_step=True)
     out, lse = _outputs(q, layout, return_lse, out_dtype)
     with _on_device(q.device) as stream:
         _C.attention_from_quantized_kv(

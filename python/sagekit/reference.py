@@ -116,12 +116,12 @@ def simulate(q, k, v, recipe: RecipeLike = "sage2_8b", is_causal: bool = False,
     q, k, v: NumPy arrays or CPU torch tensors, float16/bfloat16 (int8 with q_scale,
     k_scale, v_scale for prequantized recipes), [B, H, N, D] ("HND") or [B, N, H, D]
     ("NHD"); heads of q a multiple of heads of k/v (GQA). recipe: a preset name, a spec
-    string or a dict of options ("auto" means sage2_8b, the Hopper default the simulator
-    models). Returns a float32 output of q's shape (and the float32 natural-log LSE,
+    string or a dict of options ("auto" means sage2_8b_balanced, what the Hopper path runs
+    for "auto"). Returns a float32 output of q's shape (and the float32 natural-log LSE,
     [B, H, N], with return_lse=True), as NumPy or torch like the inputs.
     """
     if isinstance(recipe, str) and recipe == "auto":
-        recipe = "sage2_8b"
+        recipe = "sage2_8b_balanced"
     return _run(_C.simulate, q, k, v, recipe, is_causal, scale, layout, return_lse,
                 q_scale, k_scale, v_scale)
 

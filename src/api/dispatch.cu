@@ -10,6 +10,7 @@
 #include <string>
 
 #include "quant/kv_prepass.cuh"
+#include "quant/q_channel_range.cuh"
 #include "sage/attention.h"
 #include "numerics/quant_rules.h"
 #include "numerics/tile.h"
@@ -43,7 +44,6 @@ std::string gpu_variant(const Recipe& r, KernelVariant& v) {
   if (r.qk_format != QKFormat::int8 && r.qk_format != QKFormat::int4)
     return "qk_format int8 or int4 (" + std::string(to_string(r.qk_format)) +
            " has no sm_90 kernel; FP4 tensor cores exist only on Blackwell)";
-  if (r.qk_channel_balance) return "qk_channel_balance off (no sm_90 kernel yet)";
   const G g = r.qk_granularity;
   if (!(g == G::per_thread || g == G::per_warp || g == G::per_block || g == G::per_token))
     return "qk_granularity per_thread, per_warp, per_block or per_token";
@@ -126,7 +126,7 @@ Dims strides_of(const TensorView& t, Layout layout) {
 }
 
 struct WorkspaceLayout {
-  size_t k, vt, k_scale, k_mean, v_scale, v_mean, v_inv, k_amax, total;
+  size_t k, vt, k_scale, k_mean, v_scale, v_mean, v_inv, k_amax, qk_balance, q_amax, total;
   int n_pad;
 };
 
@@ -151,11 +151,13 @@ WorkspaceLayout workspace_layout(const Problem& pr, sm90::PVPath path) {
   w.v_mean = take(heads * d * sizeof(float));
   w.v_inv = take(heads * d * sizeof(float));
   w.k_amax = take(heads * sizeof(float));
+  w.qk_balance = take(heads * d * sizeof(float));  // qk_channel_balance only
+  w.q_amax = take(heads * d * sizeof(float));
   w.total = off;
   return w;
 }
 
-quant::QuantizedKV quantized_kv_at(uint8_t* ws, const WorkspaceLayout& w) {
+quant::QuantizedKV quantized_kv_at(uint8_t* ws, const WorkspaceLayout& w, const Recipe& r) {
   quant::QuantizedKV kv;
   kv.k = reinterpret_cast<int8_t*>(ws + w.k);
   kv.vt = ws + w.vt;
@@ -165,6 +167,7 @@ quant::QuantizedKV quantized_kv_at(uint8_t* ws, const WorkspaceLayout& w) {
   kv.v_mean = reinterpret_cast<float*>(ws + w.v_mean);
   kv.v_inv = reinterpret_cast<float*>(ws + w.v_inv);
   kv.k_amax = reinterpret_cast<float*>(ws + w.k_amax);
+  kv.qk_balance = r.qk_channel_balance ? reinterpret_cast<float*>(ws + w.qk_balance) : nullptr;
   return kv;
 }
 
@@ -185,6 +188,22 @@ int qk_format_max(const Recipe& r) {
 }
 
 // ---- the two steps, for one head dim and dtype ----------------------------------------------
+
+// qk_channel_balance: the Q channel ranges of every KV head's group into q_amax (workspace).
+template <int D, class T>
+const float* measure_q_channel_range(const AttentionArgs& args, const Problem& pr, uint8_t* q_amax,
+                                     cudaStream_t stream) {
+  quant::QRangeParams qr{};
+  qr.q = args.q.data;
+  const Dims qs = strides_of(args.q, args.layout);
+  qr.q_stride_b = qs.b, qr.q_stride_h = qs.h, qr.q_stride_n = qs.n;
+  qr.batch = int(pr.batch), qr.heads_q = int(pr.heads_q), qr.heads_kv = int(pr.heads_kv);
+  qr.n_q = int(pr.n_q);
+  qr.stride = args.recipe.k_mean_stride;
+  qr.q_amax = reinterpret_cast<float*>(q_amax);
+  quant::launch_q_channel_range<D, T>(qr, stream);
+  return qr.q_amax;
+}
 
 template <int D, class T>
 void run_quantize_kv(const AttentionArgs& args, const Problem& pr, const KernelVariant& v,
@@ -218,7 +237,8 @@ void run_quantize_kv(const AttentionArgs& args, const Problem& pr, const KernelV
     qp.vs_stride_b = args.v_scale.strides[0], qp.vs_stride_h = args.v_scale.strides[1];
     qp.vs_stride_c = args.v_scale.ndim == 3 ? args.v_scale.strides[2] : 0;
   }
-  qp.out = quantized_kv_at(ws, w);
+  qp.out = quantized_kv_at(ws, w, r);
+  if (r.qk_channel_balance) qp.q_amax = measure_q_channel_range<D, T>(args, pr, ws + w.q_amax, stream);
   quant::launch_kv_prepass<D, T>(qp, stream);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw_cuda("K/V pre-pass launch", err);
@@ -260,7 +280,7 @@ void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVar
   ap.smooth_q = r.smooth_q;
   ap.quantized_row_sum = r.row_sum == RowSum::quantized_p;
   ap.work = sm90::work_schedule(ap, D, sm90::v_bytes(v.path));  // after every field it reads
-  ap.kv = quantized_kv_at(ws, w);
+  ap.kv = quantized_kv_at(ws, w, r);
   ap.q_stage = sm90::take_q_stage(ap, sm90::q_stage_capable(v.path, v.smooth_q), D);
   const sm90::AttentionMaps maps = sm90::make_attention_maps(ap, D, sm90::v_bytes(v.path));
   bool launched = false;
@@ -335,8 +355,17 @@ Checked check_gpu_call(const AttentionArgs& args) {
   return {pr, v, workspace_layout(pr, v.path).total};
 }
 
+// The two-step path quantizes K/V once for any Q; a balanced K depends on Q's channel ranges.
+void refuse_balance_in_two_steps(const Recipe& r, const char* entry) {
+  if (r.qk_channel_balance)
+    throw Error("recipe.qk_channel_balance",
+                std::string(entry) + " cannot take it: the balanced K codes depend on Q's channel "
+                "ranges, so K/V quantized ahead of Q would not fit another Q; use attention()");
+}
+
 Checked check_gpu_kv(const AttentionArgs& args) {
   const Problem pr = check_kv_args(args, DeviceKind::cuda);
+  refuse_balance_in_two_steps(args.recipe, "quantize_kv");
   const KernelVariant v = check_gpu_recipe(args.recipe);
   check_alignment("k", args.k, 8);
   check_alignment("v", args.v, 8);
@@ -356,6 +385,7 @@ size_t kv_workspace_bytes(int64_t batch, int64_t heads_kv, int64_t n_kv, int64_t
   for (const auto& d : dims)
     if (d.value < 0) throw Error(d.name, "must be >= 0 (got " + std::to_string(d.value) + ")");
   validate_recipe(recipe);
+  refuse_balance_in_two_steps(recipe, "kv_workspace_bytes");
   const KernelVariant v = check_gpu_recipe(recipe);
   Problem pr;
   pr.batch = batch, pr.heads_kv = heads_kv, pr.heads_q = heads_kv, pr.n_kv = n_kv;
@@ -372,6 +402,7 @@ void quantize_kv(const AttentionArgs& args, void* workspace, size_t workspace_si
 
 void attention_from_quantized_kv(const AttentionArgs& args, const void* workspace,
                                  size_t workspace_size, void* stream) {
+  refuse_balance_in_two_steps(args.recipe, "attention_from_quantized_kv");
   const Checked c = check_gpu_call(args);
   check_workspace(workspace, workspace_size, c.workspace);
   // The kernel only reads the workspace; the parameter block is shared with the pre-pass.

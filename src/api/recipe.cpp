@@ -79,6 +79,15 @@ std::vector<Recipe> build_presets() {
   v.push_back(make("sage2_8b_vsmooth", Q::int8, G::per_thread, true, false, true, P::e4m3,
                    PScale::static_max, VScale::per_channel, PVAccum::two_level, 0.f, 0.f,
                    RowSum::pv_mma));
+  // sagekit's own, not a paper's: sage2_8b with qk_channel_balance, what "auto" runs on
+  // Hopper. Where Q's and K's channel ranges agree it computes sage2_8b's numerics; where a
+  // few Q/K channels carry large means (q/k projection biases) it keeps the accuracy that
+  // sage2_8b loses there (issue 35; docs/numerics.md, step 2).
+  Recipe balanced = make("sage2_8b_balanced", Q::int8, G::per_thread, true, false, false, P::e4m3,
+                         PScale::static_max, VScale::per_channel, PVAccum::two_level, 0.f, 0.f,
+                         RowSum::pv_mma, Inputs::floating, 8);
+  balanced.qk_channel_balance = true;
+  v.push_back(balanced);
   v.push_back(make("sage2_4b", Q::int4, G::per_thread, true, true, false, P::e4m3,
                    PScale::static_max, VScale::per_channel, PVAccum::two_level, 0.f, 0.f,
                    RowSum::pv_mma));
@@ -127,6 +136,7 @@ const Recipe& preset(const std::string& name) {
 std::string recipe_paper(const Recipe& r) {
   const std::string& n = r.name;
   if (n.rfind("sage1_", 0) == 0) return "SageAttention (ICLR 2025)";
+  if (n == "sage2_8b_balanced") return "SageAttention2 with sagekit's Q/K channel balance";
   if (n.rfind("sage2pp_", 0) == 0) return "SageAttention2++";
   if (n.rfind("sage2_", 0) == 0) return "SageAttention2 (ICML 2025)";
   if (n.rfind("sage3_", 0) == 0) return "SageAttention3";

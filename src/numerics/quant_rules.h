@@ -42,6 +42,28 @@ SAGE_HD float min_nan(float a, float b) {
 #endif
 }
 
+// qk_channel_balance (docs/numerics.md, step 2): channel c's power-of-two scale s_c, from
+// qa = max |Q[.][c]| over the KV head's query heads and ka = max |K'[.][c]| over the keys K's
+// statistics sample. s_c = 2^floor((L + 1) / 2), L = floor(log2(qa / ka)) with the quotient
+// correctly rounded in double, clamped to 2^+-kMaxBalanceExponent; 1 where qa or ka is 0 or
+// not finite. K' takes * s_c and Q / s_c: exact for a power of two, so only the quantizers
+// see it. Host and device compute it with the same double division and integer steps.
+constexpr int kMaxBalanceExponent = 30;
+SAGE_HD float qk_balance_scale(float qa, float ka) {
+  const float kFltMax = 3.402823466e38f;
+  if (!(qa > 0.f && ka > 0.f && qa <= kFltMax && ka <= kFltMax)) return 1.f;
+  const int l = ilogb(static_cast<double>(qa) / static_cast<double>(ka));
+  int e = l >= -1 ? (l + 1) / 2 : -((-l) / 2);  // floor((l + 1) / 2) for either sign
+  e = e < -kMaxBalanceExponent ? -kMaxBalanceExponent : e > kMaxBalanceExponent ? kMaxBalanceExponent : e;
+  return fmt::detail::pow2(e);
+}
+
+// 1 / s for a balance scale s = 2^e (|e| <= kMaxBalanceExponent): exact, by the exponent
+// field alone (the kernels' IEEE reciprocal has a slow path that a call would reach).
+SAGE_HD float reciprocal_pow2(float s) {
+  return fmt::detail::f32_from_bits(0x7F000000u - fmt::detail::f32_bits(s));
+}
+
 // A group's scale: amax / qmax, so that dequantized = code * scale. A zero group gets
 // scale 0 and codes 0. A non-finite amax (a NaN or an infinity in the group) gives NaN:
 // (amax - amax) is +0 for every finite amax and NaN otherwise.

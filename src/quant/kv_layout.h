@@ -34,6 +34,9 @@ struct QuantizedKV {
   // Written by the statistics pass for the quantize pass only:
   float* v_inv;      // [B, Hkv, D]  v_max / max|V'_c| (the multiplier before encoding)
   float* k_amax;     // [B, Hkv]     max over channels of max|K'_c| (per-tensor K scales)
+  // qk_channel_balance: [B, Hkv, D] the power-of-two s_c (K' took * s_c; the attention kernel
+  // divides Q by them); null when the recipe does not balance.
+  float* qk_balance;
 };
 
 struct KVQuantParams {
@@ -58,6 +61,9 @@ struct KVQuantParams {
   int64_t ks_stride_b, ks_stride_h, ks_stride_n;
   const float* v_scale_in;
   int64_t vs_stride_b, vs_stride_h, vs_stride_c;
+  // qk_channel_balance: [B, Hkv, D] max |Q_c| over the group's query heads (the Q channel
+  // range pass, q_channel_range.cuh); null when the recipe does not balance.
+  const float* q_amax;
   QuantizedKV out;
 };
 

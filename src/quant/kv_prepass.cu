@@ -213,11 +213,14 @@ __global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
     const float vm = p.smooth_v ? sum[1] / p.n_kv : 0.f;
     // Rounding is monotonic, so the extreme of |x - mean| is reached at the channel's max
     // or min: the same value a pass over every token would find. (K's over its sampled keys
-    // only: kamax serves per_tensor K scales alone, which have no sm_90 kernel.)
+    // only: kamax serves per_tensor K scales, which have no sm_90 kernel, and the balance,
+    // whose ranges the simulator takes over the same keys.)
     kamax = rules::max_nan(mx[0] - km, km - mn[0]);
     vamax = rules::max_nan(mx[1] - vm, vm - mn[1]);
     p.out.k_mean[head * D + c] = km;
     p.out.v_mean[head * D + c] = vm;
+    if (p.q_amax != nullptr)
+      p.out.qk_balance[head * D + c] = rules::qk_balance_scale(p.q_amax[head * D + c], kamax);
     // The largest over the channels (per-tensor scales) by a shuffle tree: max is exact in
     // any order, and one thread looping over D shared values kept the cluster waiting ~D
     // dependent loads (v20b).
@@ -250,17 +253,21 @@ __global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
 constexpr int kVtPitch8 = kKVTile + 4;
 
 // Two V values (already smoothed and scaled) in the format, `lo` in the low bits: E4M3 or
-// INT8 bytes, or fp16 halves saturated to the finite range as the simulator's
-// round_fp16_satfinite. A template parameter: as a run-time switch it cost a compare and two
-// branches per pair inside the tile loop (SASS).
+// INT8 bytes, or fp16 halves as the simulator's round_fp16_saturate_overflow (a finite value
+// past 65504 saturates, an infinity or a NaN stays). A template parameter: as a run-time
+// switch it cost a compare and two branches per pair inside the tile loop (SASS).
+// x clamped to fp16's finite range when finite; an infinity or a NaN unchanged.
+__device__ __forceinline__ float saturate_finite_fp16(float x) {
+  return fabsf(x) == INFINITY ? x : rules::min_nan(rules::max_nan(x, -65504.f), 65504.f);
+}
+
 template <VFormat F>
 __device__ __forceinline__ uint32_t encode_v_pair(float lo, float hi) {
   if constexpr (F == VFormat::int8) {
     return (uint32_t(rules::round_clamp(lo, rules::kInt8Max)) & 0xFFu) |
            ((uint32_t(rules::round_clamp(hi, rules::kInt8Max)) & 0xFFu) << 8);
   } else if constexpr (F == VFormat::fp16) {
-    const __half2 h = __floats2half2_rn(fminf(fmaxf(lo, -65504.f), 65504.f),
-                                        fminf(fmaxf(hi, -65504.f), 65504.f));
+    const __half2 h = __floats2half2_rn(saturate_finite_fp16(lo), saturate_finite_fp16(hi));
     return *reinterpret_cast<const uint32_t*>(&h);
   } else {
     return sm90::pack_e4m3x2(lo, hi);
@@ -294,8 +301,10 @@ __device__ __forceinline__ void store_vt_tile(const KVQuantParams& p, int b, int
 // thread at d = 128 where one CTA for both took 126 and fit fewer CTAs per SM (v9,
 // docs/design.md).
 // kFull: n_kv is a multiple of kBlockKV, so no token of the tile is padding and the
-// per-element padding tests go (kv_quantize_kernel).
-template <int D, class T, bool kFull>
+// per-element padding tests go (kv_quantize_kernel). kBalance: qk_channel_balance, K' =
+// fl(K - mean) * s_c (exact, s_c a power of two); a template parameter so that the other
+// recipes' pass keeps its instructions.
+template <int D, class T, bool kFull, bool kBalance>
 __device__ __forceinline__ void quantize_k_tile(const KVQuantParams& p, int tile, int h,
                                                 int b) {
   constexpr int kLanesPerRow = D / 8;
@@ -304,6 +313,7 @@ __device__ __forceinline__ void quantize_k_tile(const KVQuantParams& p, int tile
   const int lane_c = threadIdx.x % kLanesPerRow, r0 = threadIdx.x / kLanesPerRow;
   const int64_t head = (int64_t)b * p.heads_kv + h;
   __shared__ __align__(16) float s_kmean[D];
+  __shared__ __align__(16) float s_kbalance[kBalance ? D : 1];
   __shared__ float s_row_amax[kKVTile];
   __shared__ float s_kinv[kKVTile];  // per token, or the tile's per-thread groups
 
@@ -318,7 +328,10 @@ __device__ __forceinline__ void quantize_k_tile(const KVQuantParams& p, int tile
                  : make_uint4(0, 0, 0, 0);
   }
   sm90::grid_dependency_wait();  // the statistics kernel's finals (launched with PDL)
-  if (threadIdx.x < D) s_kmean[threadIdx.x] = p.out.k_mean[head * D + threadIdx.x];
+  if (threadIdx.x < D) {
+    s_kmean[threadIdx.x] = p.out.k_mean[head * D + threadIdx.x];
+    if constexpr (kBalance) s_kbalance[threadIdx.x] = p.out.qk_balance[head * D + threadIdx.x];
+  }
   __syncthreads();
   // The thread's eight channel means, as two 16-byte loads where they are used: read one float
   // at a time, they were 16 shared loads per row with four-way bank conflicts (v18b).
@@ -327,6 +340,21 @@ __device__ __forceinline__ void quantize_k_tile(const KVQuantParams& p, int tile
     const float4 c = *reinterpret_cast<const float4*>(&s_kmean[lane_c * 8 + 4]);
     km[0] = a.x, km[1] = a.y, km[2] = a.z, km[3] = a.w, km[4] = c.x, km[5] = c.y, km[6] = c.z,
     km[7] = c.w;
+  };
+  // The thread's eight balance scales (1 without the balance: never read).
+  auto kbalance8 = [&](float (&ks)[8]) {
+    if constexpr (kBalance) {
+      const float4 a = *reinterpret_cast<const float4*>(&s_kbalance[lane_c * 8]);
+      const float4 c = *reinterpret_cast<const float4*>(&s_kbalance[lane_c * 8 + 4]);
+      ks[0] = a.x, ks[1] = a.y, ks[2] = a.z, ks[3] = a.w, ks[4] = c.x, ks[5] = c.y, ks[6] = c.z,
+      ks[7] = c.w;
+    }
+  };
+  // K' of a value: smoothed, and balanced where the recipe says.
+  auto k_prime = [](float x, float km, float ks) {
+    const float smoothed = __fsub_rn(x, km);
+    if constexpr (kBalance) return __fmul_rn(smoothed, ks);
+    return smoothed;
   };
 
   // s_row_amax: per token, each row's amax (a shuffle across the row's lanes for every row).
@@ -342,12 +370,13 @@ __device__ __forceinline__ void quantize_k_tile(const KVQuantParams& p, int tile
       const int r = r0 + i * kRowsPerIter;
       float x[8];
       gpu::unpack8<T>(raw[i], x);
-      float km[8];
+      float km[8], ks[8];
       kmean8(km);
+      kbalance8(ks);
       float amax = 0.f;
       if (kFull || tile * kKVTile + r < p.n_kv)
 #pragma unroll
-        for (int j = 0; j < 8; ++j) amax = rules::max_nan(amax, fabsf(__fsub_rn(x[j], km[j])));
+        for (int j = 0; j < 8; ++j) amax = rules::max_nan(amax, fabsf(k_prime(x[j], km[j], ks[j])));
 #pragma unroll
       for (int off = 1; off < kLanesPerRow; off *= 2)
         amax = rules::max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, off));
@@ -366,13 +395,18 @@ __device__ __forceinline__ void quantize_k_tile(const KVQuantParams& p, int tile
     for (int i = 0; i < kRows; ++i)
       if (kFull || tile * kKVTile + r0 + i * kRowsPerIter < p.n_kv)
         ext.add_extremes(raw[i]);
-    float km[8];
+    float km[8], ks[8];
     kmean8(km);
+    kbalance8(ks);
     float thread_amax = 0.f;  // also where the thread has no row below n_kv
+    // (A balance scale is positive: the extremes of K' are still at the channel's max and
+    // min, and fl(m - min) * s = -K'(min) exactly.)
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-      thread_amax = rules::max_nan(thread_amax, rules::max_nan(__fsub_rn(ext.max(j), km[j]),
-                                             __fsub_rn(km[j], ext.min(j))));
+    for (int j = 0; j < 8; ++j) {
+      float below = __fsub_rn(km[j], ext.min(j));
+      if constexpr (kBalance) below = __fmul_rn(below, ks[j]);
+      thread_amax = rules::max_nan(thread_amax, rules::max_nan(k_prime(ext.max(j), km[j], ks[j]), below));
+    }
 #pragma unroll
     for (int off = 1; off < kLanesPerRow; off *= 2)
       thread_amax = rules::max_nan(thread_amax, __shfl_xor_sync(0xffffffffu, thread_amax, off));
@@ -430,13 +464,14 @@ __device__ __forceinline__ void quantize_k_tile(const KVQuantParams& p, int tile
                              : p.k_granularity == Granularity::per_thread ? (r % 8) / 2
                                                                           : 0];
     const bool valid = kFull || tile * kKVTile + r < p.n_kv;
-    float x[8], km[8];
+    float x[8], km[8], ks[8];
     gpu::unpack8<T>(raw[i], x);
     kmean8(km);
+    kbalance8(ks);
     uint32_t c[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j)
-      c[j] = sm90::round_to_low_bits(__fmul_rn(valid ? __fsub_rn(x[j], km[j]) : 0.f, inv));
+      c[j] = sm90::round_to_low_bits(__fmul_rn(valid ? k_prime(x[j], km[j], ks[j]) : 0.f, inv));
     uint32_t w[2];
 #pragma unroll
     for (int h4 = 0; h4 < 2; ++h4)
@@ -563,16 +598,17 @@ __device__ __forceinline__ void quantize_v_tile(const KVQuantParams& p, int tile
 
 // kFull: n_kv is a multiple of kBlockKV (chosen per launch: as a branch per CTA between the
 // two instantiations, ptxas took the bf16 d = 128 kernel from 80 to 124 registers). Occupancy:
-// six CTAs per SM at d = 64 (40 registers, no spills), four at d = 128 (64; it needs ~60).
-template <int D, class T, bool kFull>
-__global__ void __launch_bounds__(kThreads, D == 64 ? 6 : 4)
+// six CTAs per SM at d = 64 (40 registers, no spills), four at d = 128 (64; it needs ~60);
+// four for the balance at d = 64 too (its scales spilled in 40 registers).
+template <int D, class T, bool kFull, bool kBalance>
+__global__ void __launch_bounds__(kThreads, D == 64 && !kBalance ? 6 : 4)
     kv_quantize_kernel(const KVQuantParams p) {
   // The transposed V tile: dynamic, sized by the launch for the path's element size, so that
   // 8-bit V does not pay fp16's shared memory in occupancy.
   extern __shared__ __align__(16) uint8_t s_vt[];
   const int tile = blockIdx.x / 2, h = blockIdx.y, b = blockIdx.z;
   if (blockIdx.x % 2 == 0)
-    quantize_k_tile<D, T, kFull>(p, tile, h, b);
+    quantize_k_tile<D, T, kFull, kBalance>(p, tile, h, b);
   else if (p.v_format == VFormat::fp16)
     quantize_v_tile<D, T, VFormat::fp16, kFull>(p, tile, h, b, s_vt);
   else if (p.v_format == VFormat::int8)
@@ -659,9 +695,10 @@ void launch_kv_prepass(const KVQuantParams& p, cudaStream_t stream) {
   pdl.val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = &pdl;
   cfg.numAttrs = 1;
-  const bool full_tiles = p.n_kv % kKVTile == 0;
-  const cudaError_t err = full_tiles ? cudaLaunchKernelEx(&cfg, kv_quantize_kernel<D, T, true>, q)
-                                     : cudaLaunchKernelEx(&cfg, kv_quantize_kernel<D, T, false>, q);
+  const bool full_tiles = p.n_kv % kKVTile == 0, balance = p.q_amax != nullptr;
+  auto kernel = full_tiles ? (balance ? kv_quantize_kernel<D, T, true, true> : kv_quantize_kernel<D, T, true, false>)
+                           : (balance ? kv_quantize_kernel<D, T, false, true> : kv_quantize_kernel<D, T, false, false>);
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, q);
   if (err != cudaSuccess) throw_cuda("K/V quantize launch", err);
 }
 

@@ -109,22 +109,14 @@ void subtract_channel_mean(float* x, int64_t n, int64_t d, const float* mean) {
     for (int64_t c = 0; c < d; ++c) x[t * d + c] -= mean[c];
 }
 
-void accumulate_channel_abs_max(const float* x, int64_t n, int64_t d, float* amax) {
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t c = 0; c < d; ++c) amax[c] = std::max(amax[c], std::fabs(x[t * d + c]));
+void accumulate_channel_abs_max(const float* x, int64_t n, int64_t d, float* amax, int stride) {
+  for (int64_t t = 0; t < n; t += stride)
+    for (int64_t c = 0; c < d; ++c) amax[c] = rules::max_nan(amax[c], std::fabs(x[t * d + c]));
 }
 
 std::vector<float> qk_balance_scales(const float* q_amax, const float* k_amax, int64_t d) {
-  std::vector<float> s(static_cast<size_t>(d), 1.f);
-  for (int64_t c = 0; c < d; ++c) {
-    const double q = q_amax[c], k = k_amax[c];
-    // A channel empty on one side (or non-finite) has nothing to balance.
-    if (!(q > 0 && k > 0 && std::isfinite(q) && std::isfinite(k))) continue;
-    const int log2_ratio = std::ilogb(q / k);  // floor(log2(q / k)), exact
-    // floor((L + 1) / 2) for either sign of L: the power of two nearest sqrt(q / k) in log.
-    const int e = static_cast<int>(std::floor((log2_ratio + 1) / 2.0));
-    s[c] = std::ldexp(1.f, std::clamp(e, -kMaxBalanceExponent, kMaxBalanceExponent));
-  }
+  std::vector<float> s(static_cast<size_t>(d));
+  for (int64_t c = 0; c < d; ++c) s[c] = rules::qk_balance_scale(q_amax[c], k_amax[c]);
   return s;
 }
 
@@ -153,7 +145,7 @@ QKOperand quantize_qk(const float* x, int64_t n, int64_t d, QKFormat format,
       // The 16-bit MMA takes fp16 operands: a smoothed K (or a bf16 input) is stored as
       // fp16, saturating rather than overflowing.
       op.values.resize(static_cast<size_t>(n * d));
-      for (int64_t i = 0; i < n * d; ++i) op.values[i] = fmt::round_fp16_satfinite(x[i]);
+      for (int64_t i = 0; i < n * d; ++i) op.values[i] = fmt::round_fp16_saturate_overflow(x[i]);
       break;
   }
   return op;

@@ -28,13 +28,10 @@ std::vector<float> channel_mean(const float* x, int64_t n, int64_t d, int stride
 void subtract_channel_mean(float* x, int64_t n, int64_t d, const float* mean);
 
 // qk_channel_balance (docs/numerics.md, step 2): amax[c] = max(amax[c], |x[t][c]|) over
-// tokens [0, n), to gather one channel range over several heads.
-void accumulate_channel_abs_max(const float* x, int64_t n, int64_t d, float* amax);
-// The balance's power-of-two scales s_c = 2^e_c, e_c = floor((L_c + 1) / 2) with
-// L_c = floor(log2(q_amax[c] / k_amax[c])) (the ratio in double): after q_c / s_c and
-// k_c * s_c the two ranges are within a factor 2 of each other. 1 where either range is 0 or
-// not finite; e_c is clamped to [-kMaxBalanceExponent, kMaxBalanceExponent].
-constexpr int kMaxBalanceExponent = 30;
+// tokens 0, stride, 2 stride, ... below n, with a NaN-propagating max (a NaN range leaves the
+// channel unbalanced, as on the GPU), to gather one channel range over several heads.
+void accumulate_channel_abs_max(const float* x, int64_t n, int64_t d, float* amax, int stride = 1);
+// rules::qk_balance_scale for every channel.
 std::vector<float> qk_balance_scales(const float* q_amax, const float* k_amax, int64_t d);
 // x[t][c] *= s[c] (or /= s[c] where divide): exact in float, the s[c] being powers of two,
 // unless a value leaves float's normal range.

@@ -25,14 +25,17 @@ using sim::KVHead;
 
 constexpr float kLn2 = 0.6931471805599453f;
 
-// qk_channel_balance: the channel ranges of the group's Q heads (q_group, n_q_rows tokens) and
-// of K' set s_c; K' takes * s_c here, Q / s_c in prepare_q. After K smoothing, so that s_c
-// sees the K the quantizer sees, and before either is quantized.
-void balance_k(float* k, const float* q_group, int64_t n_q_rows, const Problem& p, KVHead& h) {
+// qk_channel_balance: the channel ranges of the group's Q heads (q_group: n_q_heads heads of
+// n_q tokens) and of K', both over the tokens K's statistics sample (every k_mean_stride-th,
+// as the GPU's statistics passes read) set s_c; K' takes * s_c here, Q / s_c in prepare_q. After K smoothing, so that
+// s_c sees the K the quantizer sees, and before either is quantized.
+void balance_k(float* k, const float* q_group, int64_t n_q_heads, const Problem& p, int stride,
+               KVHead& h) {
   const int64_t d = p.head_dim;
   std::vector<float> q_amax(static_cast<size_t>(d), 0.f), k_amax(static_cast<size_t>(d), 0.f);
-  sim::accumulate_channel_abs_max(q_group, n_q_rows, d, q_amax.data());
-  sim::accumulate_channel_abs_max(k, p.n_kv, d, k_amax.data());
+  for (int64_t g = 0; g < n_q_heads; ++g)
+    sim::accumulate_channel_abs_max(q_group + g * p.n_q * d, p.n_q, d, q_amax.data(), stride);
+  sim::accumulate_channel_abs_max(k, p.n_kv, d, k_amax.data(), stride);
   h.qk_balance = sim::qk_balance_scales(q_amax.data(), k_amax.data(), d);
   sim::scale_channels(k, p.n_kv, d, h.qk_balance.data(), /*divide=*/false);
 }
@@ -47,7 +50,7 @@ KVHead prepare_kv(float* k, float* v, const float* q_group, const Problem& p, co
   }
   if (r.qk_channel_balance) {
     const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
-    balance_k(k, q_group, group * p.n_q, p, h);
+    balance_k(k, q_group, group, p, r.k_mean_stride, h);
   }
   h.k = sim::quantize_qk(k, n, d, r.qk_format, r.qk_granularity, /*is_q=*/false, tc);
   if (r.smooth_v) {
@@ -214,6 +217,25 @@ void prepare_kv_heads(const AttentionArgs& args, const Problem& p, const std::ve
   });
 }
 
+// The keys whose V the kernel multiplies into row i's output: every key of each K/V tile that
+// row i's Q tile loads (sm90/fwd/mask.cuh, kv_tiles: under causal, up to the tile holding the
+// Q tile's last row's last key), with P = 0 where row i masks them.
+int64_t keys_loaded(bool causal, int64_t i, int64_t nq, int64_t nkv, TileConfig tc) {
+  if (!causal) return nkv;
+  const int64_t last_row = std::min(nq, (i / tc.block_q + 1) * tc.block_q) - 1;
+  const int64_t last_key = last_row + nkv - nq;
+  if (last_key < 0) return 0;
+  return std::min(nkv, (last_key / tc.block_kv + 1) * tc.block_kv);
+}
+
+// fp16 V with a NaN or an infinity (VOperand::nonfinite): the masked keys [visible, loaded)
+// still reach the row through the MMA as 0 times their V, which is NaN for a non-finite V.
+void reach_masked_keys(const sim::VOperand& v, int64_t visible, int64_t loaded, float* O) {
+  for (int64_t j = visible; j < loaded; ++j)
+    for (int64_t c = 0; c < v.d; ++c)
+      if (!std::isfinite(v.values[j * v.d + c])) O[c] = std::numeric_limits<float>::quiet_NaN();
+}
+
 // Steps 4-11 for every row of query head bh, into f.out, f.lse and f.lse2.
 void attend_head(const AttentionArgs& args, const RowPlan& pl, const QHead& qh, const KVHead& kvh,
                  const float* q_orig, int64_t bh, sim::Forward& f) {
@@ -238,6 +260,8 @@ void attend_head(const AttentionArgs& args, const RowPlan& pl, const QHead& qh, 
     for (int64_t j0 = 0; j0 < visible; j0 += tc.block_kv)
       attend_tile(pl, qh.op, i, kvh, ds.data(), j0, std::min<int64_t>(tc.block_kv, visible - j0),
                   st, O.data(), x);
+    if (kvh.v.nonfinite && visible < nkv)
+      reach_masked_keys(kvh.v, visible, keys_loaded(args.causal, i, nq, nkv, tc), O.data());
     finish_row(pl, kvh, st, O.data(), d, f.out.data() + (bh * nq + i) * d);
     // K smoothing shifted every logit of this row by -sm_scale * q_i . mean(K); softmax
     // ignores that, the LSE must not.

@@ -39,8 +39,9 @@ double half_ulp(float z) {
 // The presets that take the integer row max: INT8 Q/K from floating inputs with a scale per
 // tile (or finer, but not per token) and no Q smoothing (docs/numerics.md, step 4).
 const std::set<std::string>& integer_max_presets() {
-  static const std::set<std::string> names = {"sage1_b",          "sage1_vb",   "sage2_8b",
-                                              "sage2_8b_vsmooth", "sage2pp_8b", "sagebwd"};
+  static const std::set<std::string> names = {"sage1_b",          "sage1_vb",          "sage2_8b",
+                                              "sage2_8b_vsmooth", "sage2_8b_balanced", "sage2pp_8b",
+                                              "sagebwd"};
   return names;
 }
 
@@ -202,7 +203,8 @@ TEST(SimIntegerRowMax, RuleSelectsIntegerCodesWithPerTileScalesAndNoQSmoothing) 
   for (const Recipe& r : presets()) {
     EXPECT_EQ(rules::integer_row_max(r), integer_max_presets().count(r.name) == 1) << r.name;
     // P's scale in the exponent: the integer row max on the two-level E4M3 path only.
-    EXPECT_EQ(rules::p_scale_in_exponent(r), r.name == "sage2_8b" || r.name == "sage2_8b_vsmooth")
+    EXPECT_EQ(rules::p_scale_in_exponent(r), r.name == "sage2_8b" || r.name == "sage2_8b_vsmooth" ||
+                                                   r.name == "sage2_8b_balanced")
         << r.name;
   }
   Recipe r = preset("sage2_8b");

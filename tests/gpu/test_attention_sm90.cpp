@@ -150,6 +150,31 @@ TEST(Sm90Attention, SyntheticDistributions) {
   }));
 }
 
+// qk_channel_balance (docs/numerics.md step 2) on every GPU recipe with floating inputs: the
+// Q channel-range pass, the balance scales of the statistics pass, the balanced K codes and
+// the consumers' Q prologue, against the simulator (the Q stage's balanced path is held to
+// the prologue's bits by ChainedWorkItemsPerCta and QStageMatchesConsumerPrologue, through
+// sage2_8b_balanced). On channel_offset, where the scales are far from 1, and on normal;
+// GQA (the ranges span the group's query heads), both head dims, causal or not, lengths that
+// leave partial tiles and make the statistics sample stride-8 keys and tokens unevenly.
+TEST(Sm90Attention, ChannelBalanceOnEveryRecipe) {
+  SAGE_REQUIRE_GPU();
+  std::vector<GpuCase> cases = for_every_variant([](const GpuCase& base, std::vector<GpuCase>& out) {
+    if (base.prequantized()) return;
+    for (int64_t d : gpu_head_dim_list())
+      for (bool causal : {false, true})
+        for (const char* dist : {"channel_offset", "normal"}) {
+          GpuCase c = base;
+          c.balance = true, c.head_dim = d, c.causal = causal, c.distribution = dist;
+          c.heads_q = 8, c.heads_kv = 2, c.n_q = 777, c.n_kv = 1001;
+          c.dtype = causal ? DType::bf16 : DType::f16;
+          c.seed = uint64_t(d) + causal;
+          out.push_back(c);
+        }
+  });
+  expect_cases_within_bounds(cases);
+}
+
 // P's scale in the exponent (docs/numerics.md step 6) on the paths the presets' usual inputs
 // leave alone: a P scale that is no power of two (the paper's 448: every exponent adds its
 // rounded log2) or 64 (k = 6), and inputs near the fp16 limit, whose multipliers (~3e4) are

@@ -3,6 +3,7 @@
 // workspace), and one quantized K/V must serve any number of query sets.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -110,6 +111,30 @@ TEST(Sm90TwoStep, OneQuantizedKVServesTwoQuerySets) {
     EXPECT_TRUE(got2.out == want2.out && got2.lse == want2.lse) << recipe << ": second query set";
     EXPECT_TRUE(again1.out == want1.out && again1.lse == want1.lse) << recipe << ": first set, again";
   }
+}
+
+// The balanced K depends on Q: each two-step entry point refuses the balance by name rather
+// than quantize K against no Q (or attend with codes balanced for another Q).
+TEST(Sm90TwoStep, RefusesTheChannelBalanceByName) {
+  SAGE_REQUIRE_GPU();
+  GpuCase c;
+  c.recipe = "sage2_8b_balanced";
+  CaseTensors t(c);
+  const AttentionArgs a = t.device_args();
+  DeviceWorkspace ws(workspace_bytes(a));
+  const auto expect_refusal = [](const char* entry, const std::function<void()>& call) {
+    try {
+      call();
+      ADD_FAILURE() << entry << " accepted qk_channel_balance";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), "recipe.qk_channel_balance") << entry << ": " << e.what();
+      EXPECT_NE(std::string(e.what()).find(entry), std::string::npos) << e.what();
+    }
+  };
+  expect_refusal("kv_workspace_bytes", [&] { kv_bytes(c); });
+  expect_refusal("quantize_kv", [&] { quantize_only_kv(a, ws); });
+  expect_refusal("attention_from_quantized_kv",
+                 [&] { attention_from_quantized_kv(a, ws.get(), ws.bytes(), nullptr); });
 }
 
 }  // namespace

@@ -184,7 +184,7 @@ def test_every_accepted_combination_is_a_valid_recipe():
                     "for every recipe without kernels")
 def test_every_accepted_combination_has_a_gpu_kernel():
     for name, opts, call in accepted_calls():
-        recipe = "sage2_8b" if call.recipe == "auto" else call.recipe
+        recipe = "sage2_8b_balanced" if call.recipe == "auto" else call.recipe
         assert sagekit.gpu_supports(recipe), (name, opts, call.recipe)
 
 

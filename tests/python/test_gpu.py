@@ -318,10 +318,12 @@ def test_eager_fast_path_only_where_plain_eager_dispatch_would_run_the_body():
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-def test_auto_recipe_on_this_gpu_is_sage2_8b():
+def test_auto_recipe_on_this_gpu_is_balanced_sage2():
     q, k, v = _qkv(b=1, hq=2, hkv=2, nq=128, nkv=128, seed=11)
     torch.testing.assert_close(sagekit.sageattn(q, k, v),
-                               sagekit.sageattn(q, k, v, recipe="sage2_8b"), atol=0, rtol=0)
+                               sagekit.sageattn(q, k, v, recipe="sage2_8b_balanced"), atol=0, rtol=0)
     from sagekit.ops import resolve_auto
 
-    assert resolve_auto("auto", q.device) == "sage2_8b"
+    assert resolve_auto("auto", q.device) == "sage2_8b_balanced"
+    # K/V quantized ahead of Q cannot be balanced against it: the two-step path's auto.
+    assert resolve_auto("auto", q.device, two_step=True) == "sage2_8b"

@@ -53,7 +53,7 @@ struct Producer {
   // first item themselves: staged, it waited for a TMA round trip and 96 threads'
   // quantization with nothing else to do (v23, docs/history/README.md).
   __device__ __forceinline__ static void run_q_stage(const CUtensorMap* tma_q, const AttentionParams& p, Storage& s,
-                                     CtaSlots mine) {
+                                     CtaSlots mine, int group_size) {
     using Stage = QStage<D, typename K::T>;
     const int stage_thread = threadIdx.x - 32;
     if (stage_thread == 0) prefetch_tma_descriptor(tma_q);
@@ -68,8 +68,10 @@ struct Producer {
       // three warps re-issuing try_wait meanwhile would take issue slots from the consumers.
       mbar_wait_sleeping(&s.q_raw_full, (k - 1) & 1);
       if (k >= 2) mbar_wait_sleeping(&s.q_empty[buf], ((k >> 1) - 1) & 1);
+      const float* balance =
+          p.kv.qk_balance ? p.kv.qk_balance + UniformSeqLen{p}.kv_head(item.b, item.h / group_size) * D : nullptr;
       Stage::quantize(smem_addr(s.q_raw), smem_addr(s.q[buf][0]), s.q_scale[buf],
-                      p.q_granularity == Granularity::per_token, float(p.q_max), stage_thread);
+                      p.q_granularity == Granularity::per_token, float(p.q_max), balance, stage_thread);
       // The codes are read by the MMA through the async proxy.
       fence_proxy_async();
       named_barrier_sync(NamedBarrier::q_stage, Stage::kThreads);
@@ -85,7 +87,7 @@ struct Producer {
       load_kv(tma_k, tma_v, p, s, mine, group_size);
     } else if (threadIdx.x >= 32) {
       if constexpr (K::kQStage) {
-        if (p.q_stage) run_q_stage(tma_q, p, s, mine);
+        if (p.q_stage) run_q_stage(tma_q, p, s, mine, group_size);
       }
     }
   }

@@ -40,9 +40,9 @@ struct QOperand {
   // [64 x D] INT8 tile (1024-byte aligned), written swizzled.
   template <class T>
   __device__ void load(const AttentionParams& p, const T* q_head, const float* q_scale_head,
-                       const float* k_mean_head, const int (&rows)[2], int tile_rows, int lane,
-                       int consumer_warp, float* s_red, double* s_sum, float* s_mean, int8_t* s_q,
-                       bool want_dot_kmean) {
+                       const float* k_mean_head, const float* balance_head, const int (&rows)[2],
+                       int tile_rows, int lane, int consumer_warp, float* s_red, double* s_sum,
+                       float* s_mean, int8_t* s_q, bool want_dot_kmean) {
     const int t = frag::quad_of_lane(lane);
     const bool prequantized = q_scale_head != nullptr;
     float x[kChunks][2][2][4];  // [k slice][half][row][4 channels]
@@ -111,6 +111,9 @@ struct QOperand {
       dot_kmean[0] = frag::quad_sum(dot_kmean[0]);
       dot_kmean[1] = frag::quad_sum(dot_kmean[1]);
     }
+    // qk_channel_balance: after q . mean(K), which takes the unbalanced Q (the simulator's
+    // order), and before Q smoothing.
+    if (balance_head != nullptr) divide_by_balance(x, balance_head, t);
     if (p.smooth_q) subtract_tile_mean(x, rows, p.n_q, tile_rows, lane, consumer_warp, s_sum, s_mean);
 
 #pragma unroll
@@ -189,6 +192,21 @@ struct QOperand {
   }
 
  private:
+  // x[c] / s_c for the head's balance scales s (powers of two: the reciprocal is exact, and so
+  // is the product, as the simulator's division).
+  __device__ static void divide_by_balance(float (&x)[kChunks][2][2][4], const float* s, int t) {
+#pragma unroll
+    for (int kc = 0; kc < kChunks; ++kc)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float inv = rules::reciprocal_pow2(s[32 * kc + 16 * half + 4 * t + i]);
+          x[kc][half][0][i] = __fmul_rn(x[kc][half][0][i], inv);
+          x[kc][half][1][i] = __fmul_rn(x[kc][half][1][i], inv);
+        }
+  }
+
   // Q smoothing (SageAttention2): subtract the mean over the CTA's Q tile (all consumer
   // warpgroups, tile_rows valid rows) from every valid row. Sums run in double: a sum of at
   // most 192 fp16 values is exact there (bf16 values: while their exponents lie within ~37

@@ -49,8 +49,22 @@ struct QStage {
   // The raw tile into codes: q, this buffer's [consumer warpgroups][64 x D] INT8 tiles,
   // swizzled as the QK MMA reads them (q_operand.cuh writes the same layout); scale, its
   // [kBlockQ] per-row dequantization scales. stage_thread: 0 .. kThreads - 1.
+  // balance: qk_channel_balance's s_c of the item's KV head (Q is divided by them before its
+  // maxima and codes, as in q_operand.cuh), or null.
   __device__ static void quantize(uint32_t raw, uint32_t q, float* scale, bool per_token,
-                                  float q_max, int stage_thread) {
+                                  float q_max, const float* balance, int stage_thread) {
+    // Two loops, not a test per row: the balanced one's extra registers stay out of the other.
+    if (balance != nullptr)
+      quantize_groups<true>(raw, q, scale, per_token, q_max, balance, stage_thread);
+    else
+      quantize_groups<false>(raw, q, scale, per_token, q_max, nullptr, stage_thread);
+  }
+
+ private:
+  template <bool kBalanced>
+  __device__ __forceinline__ static void quantize_groups(uint32_t raw, uint32_t q, float* scale,
+                                                         bool per_token, float q_max,
+                                                         const float* balance, int stage_thread) {
 #pragma unroll 1
     for (int gi = stage_thread; gi < kGroups; gi += kThreads) {
       // The group of lane 4g + t of warp `warp` of consumer warpgroup cw (fragment.cuh).
@@ -58,18 +72,8 @@ struct QStage {
       const int row0 = 64 * cw + 16 * warp + g;  // in the tile; row0 + 8 is the other row
       float amax[2];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        uint32_t m = 0;  // packed |x| maxima, +0 in both halves
-#pragma unroll
-        for (int box = 0; box < kBoxes; ++box)
-#pragma unroll
-          for (int chunk = 0; chunk < 8; ++chunk) {
-            const uint4 w = ld_shared_v4(raw + raw_offset(row0 + 8 * r, box, chunk));
-            m = max_abs2(max_abs2(m, w.x, w.y), w.z, w.w);
-          }
-        const float2 f = gpu::word_to_float2<T>(m);
-        amax[r] = rules::max_nan(f.x, f.y);
-      }
+      for (int r = 0; r < 2; ++r)
+        amax[r] = kBalanced ? balanced_row_amax(raw, row0 + 8 * r, balance) : row_amax(raw, row0 + 8 * r);
       if (!per_token) amax[0] = amax[1] = rules::max_nan(amax[0], amax[1]);
       const uint32_t q_wg = q + cw * 64 * D;
 #pragma unroll
@@ -82,15 +86,52 @@ struct QStage {
           const int box = col / 64, chunk = (col % 64) / 8;
           const uint4 lo = ld_shared_v4(raw + raw_offset(row, box, chunk));
           const uint4 hi = ld_shared_v4(raw + raw_offset(row, box, chunk + 1));
-          const uint4 codes = make_uint4(codes4(lo.x, lo.y, inv), codes4(lo.z, lo.w, inv),
-                                         codes4(hi.x, hi.y, inv), codes4(hi.z, hi.w, inv));
+          uint4 codes;
+          if constexpr (kBalanced)
+            codes = make_uint4(balanced_codes4(lo.x, lo.y, inv, balance + col),
+                               balanced_codes4(lo.z, lo.w, inv, balance + col + 4),
+                               balanced_codes4(hi.x, hi.y, inv, balance + col + 8),
+                               balanced_codes4(hi.z, hi.w, inv, balance + col + 12));
+          else
+            codes = make_uint4(codes4(lo.x, lo.y, inv), codes4(lo.z, lo.w, inv),
+                               codes4(hi.x, hi.y, inv), codes4(hi.z, hi.w, inv));
           st_shared_v4(q_wg + swizzled_offset(row - 64 * cw, col, D), codes);
         }
       }
     }
   }
 
- private:
+  // max |x| over a tile row, packed in the input type (exact).
+  __device__ __forceinline__ static float row_amax(uint32_t raw, int row) {
+    uint32_t m = 0;  // packed |x| maxima, +0 in both halves
+#pragma unroll
+    for (int box = 0; box < kBoxes; ++box)
+#pragma unroll
+      for (int chunk = 0; chunk < 8; ++chunk) {
+        const uint4 w = ld_shared_v4(raw + raw_offset(row, box, chunk));
+        m = max_abs2(max_abs2(m, w.x, w.y), w.z, w.w);
+      }
+    const float2 f = gpu::word_to_float2<T>(m);
+    return rules::max_nan(f.x, f.y);
+  }
+
+  // max |x / s_c| over a tile row, in float (x / s_c can leave the input type's range).
+  __device__ __forceinline__ static float balanced_row_amax(uint32_t raw, int row, const float* s) {
+    float m = 0.f;
+#pragma unroll 1
+    for (int col = 0; col < D; col += 8) {
+      const uint4 w = ld_shared_v4(raw + raw_offset(row, col / 64, (col % 64) / 8));
+      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = gpu::word_to_float2<T>(words[j]);
+        m = rules::max_nan(m, fabsf(__fmul_rn(f.x, rules::reciprocal_pow2(s[col + 2 * j]))));
+        m = rules::max_nan(m, fabsf(__fmul_rn(f.y, rules::reciprocal_pow2(s[col + 2 * j + 1]))));
+      }
+    }
+    return m;
+  }
+
   // Byte offset of 16-byte chunk `chunk` (elements 8 chunk .. 8 chunk + 7) of box `box` of a
   // tile row, under TMA's 128B swizzle (rows of one box are 128 bytes).
   __device__ __forceinline__ static uint32_t raw_offset(int row, int box, int chunk) {
@@ -111,6 +152,16 @@ struct QStage {
     const uint32_t c0 = round_to_low_bits(__fmul_rn(a.x, inv)), c1 = round_to_low_bits(__fmul_rn(a.y, inv));
     const uint32_t c2 = round_to_low_bits(__fmul_rn(b.x, inv)), c3 = round_to_low_bits(__fmul_rn(b.y, inv));
     return __byte_perm(__byte_perm(c0, c1, 0x0040), __byte_perm(c2, c3, 0x0040), 0x5410);
+  }
+  // codes4 of x / s_c for the four channels from s (exact reciprocals: powers of two).
+  __device__ __forceinline__ static uint32_t balanced_codes4(uint32_t w0, uint32_t w1, float inv,
+                                                             const float* s) {
+    const float2 a = gpu::word_to_float2<T>(w0), b = gpu::word_to_float2<T>(w1);
+    const float x[4] = {a.x, a.y, b.x, b.y};
+    uint32_t c[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c[i] = round_to_low_bits(__fmul_rn(__fmul_rn(x[i], rules::reciprocal_pow2(s[i])), inv));
+    return __byte_perm(__byte_perm(c[0], c[1], 0x0040), __byte_perm(c[2], c[3], 0x0040), 0x5410);
   }
 };
 
