@@ -15,6 +15,7 @@
 #include "reference/qk_quantize.h"
 #include "reference/tensor_io.h"
 #include "sage/attention.h"
+#include "numerics/mask.h"
 #include "numerics/quant_rules.h"
 #include "numerics/tile.h"
 
@@ -132,16 +133,17 @@ struct RowScratch {
 };
 
 // Steps 4-9 for one KV tile of row i: its logits, the online softmax, P's quantization and
-// the PV accumulation into O.
+// the PV accumulation into O. The tile's keys j0 .. j0 + count - 1, of which the first `first`
+// lie before the row's window (step 5: masked, P = 0, as in the kernel's tile).
 void attend_tile(const RowPlan& pl, const sim::QKOperand& qop, int64_t i, const KVHead& kvh,
-                 const float* ds, int64_t j0, int64_t count, sim::RowState& st, float* O,
-                 RowScratch& x) {
+                 const float* ds, int64_t j0, int64_t count, int64_t first, sim::RowState& st,
+                 float* O, RowScratch& x) {
   const Recipe& r = *pl.r;
   float alpha;
   if (pl.int_max) {  // no smooth_q here: the rule excludes it
     sim::qk_int_accumulators(qop, i, kvh.k, j0, count, pl.sl2, x.acc.data(), x.mult.data());
     alpha = sim::softmax_enter_tile_integer_max(st, x.acc.data(), x.mult.data(), count, pl.p_fold,
-                                                x.ps.data());
+                                                x.ps.data(), first);
     // P~ for the row sum; with P's scale in the exponent the codes come from ps itself, as on
     // the GPU.
     for (int64_t j = 0; j < count; ++j) x.pt[j] = x.ps[j] / pl.exp_scale;
@@ -149,6 +151,7 @@ void attend_tile(const RowPlan& pl, const sim::QKOperand& qop, int64_t i, const 
     sim::qk_logits(qop, i, kvh.k, j0, count, pl.sl2, x.s2.data());
     if (r.smooth_q)
       for (int64_t j = 0; j < count; ++j) x.s2[j] += ds[j0 + j];
+    std::fill(x.s2.begin(), x.s2.begin() + first, -std::numeric_limits<float>::infinity());
     alpha = sim::softmax_enter_tile(st, x.s2.data(), count, x.pt.data());
   }
   // per_token P (SageBwd): the tile's largest P~ from the softmax's own maxima.
@@ -217,19 +220,21 @@ void attend_head(const AttentionArgs& args, const RowPlan& pl, const QHead& qh, 
   std::vector<float> O(static_cast<size_t>(d));
   std::vector<float> ds;  // smooth_q: the logit bias of the current Q tile, per key
   int64_t ds_tile = -1;
+  const KeyWindow window{p.window_left, p.window_right};
   for (int64_t i = 0; i < nq; ++i) {
-    // Bottom-right causal alignment: query i sees keys j <= i + nkv - nq.
-    const int64_t visible = args.causal ? std::clamp<int64_t>(i + nkv - nq + 1, 0, nkv) : nkv;
-    if (visible == 0) continue;  // out stays 0, lse -inf
+    // Step 5 (numerics/mask.h): the keys row i sees, one interval.
+    const KeyRange keys = visible_keys(i, nq, nkv, window);
+    if (keys.empty()) continue;  // out stays 0, lse -inf
     if (r.smooth_q && q_smooth_block_of(i, tc) != ds_tile) {
       ds_tile = q_smooth_block_of(i, tc);
       ds = sim::smooth_q_logit_bias(qh.q_mean.data() + ds_tile * d, kvh.k, pl.sl2);
     }
     sim::RowState st;
     std::fill(O.begin(), O.end(), 0.f);
-    for (int64_t j0 = 0; j0 < visible; j0 += tc.block_kv)
-      attend_tile(pl, qh.op, i, kvh, ds.data(), j0, std::min<int64_t>(tc.block_kv, visible - j0),
-                  st, O.data(), x);
+    // The tiles the row's keys lie in; the kernel's other tiles hold no key of the row.
+    for (int64_t j0 = keys.begin / tc.block_kv * tc.block_kv; j0 < keys.end; j0 += tc.block_kv)
+      attend_tile(pl, qh.op, i, kvh, ds.data(), j0, std::min<int64_t>(tc.block_kv, keys.end - j0),
+                  std::max<int64_t>(0, keys.begin - j0), st, O.data(), x);
     finish_row(pl, kvh, st, O.data(), d, f.out.data() + (bh * nq + i) * d);
     // K smoothing shifted every logit of this row by -sm_scale * q_i . mean(K); softmax
     // ignores that, the LSE must not.
