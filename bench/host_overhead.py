@@ -42,8 +42,8 @@ def body_min():
                  workspace=caps, stream=stream, q_scale=None, k_scale=None, v_scale=None)
 rows = [
   ("sagekit.sageattn", lambda: sagekit.sageattn(q, k, v)),
-  ("torch.ops.sagekit.attention", lambda: torch.ops.sagekit.attention(q, k, v, "HND", False, None, "sage2_8b", False, None, None, None, None)),
-  ("ops.call_attention (eager fast path)", lambda: ops.call_attention(q, k, v, "HND", False, None, "sage2_8b", False, None, None, None, None)),
+  ("torch.ops.sagekit.attention", lambda: torch.ops.sagekit.attention(q, k, v, "HND", False, -1, -1, None, "sage2_8b", False, None, None, None, None)),
+  ("ops.call_attention (eager fast path)", lambda: ops.call_attention(q, k, v, "HND", False, -1, -1, None, "sage2_8b", False, None, None, None, None)),
   ("op body", lambda: ops._attention_body(q, k, v, "HND", False, None, "sage2_8b", False, None, None, None, None)),
   ("body by hand", body),
   ("body, stream+workspace hoisted", body_min),

@@ -19,8 +19,10 @@ std::string CheckShape::describe() const {
   std::ostringstream os;
   os << "batch " << batch << ", heads " << heads;
   if (kv_heads != heads) os << " (kv " << kv_heads << ")";
-  os << ", N " << n << ", d " << d << ", " << (causal ? "causal" : "non-causal") << ", seed "
-     << seed;
+  os << ", N " << n << ", d " << d << ", " << (causal ? "causal" : "non-causal");
+  if (window_left >= 0 || window_right >= 0)
+    os << ", window (" << window_left << ", " << window_right << ")";
+  os << ", seed " << seed;
   return os.str();
 }
 
@@ -33,6 +35,7 @@ DistributionCase::DistributionCase(const std::string& distribution, const CheckS
   a.v = inputs_.v_view();
   a.out = exact_view();
   a.causal = shape.causal;
+  a.window_left = shape.window_left, a.window_right = shape.window_right;
   reference::exact(a);
 }
 
@@ -69,6 +72,7 @@ AttentionArgs DistributionCase::args(const Recipe& recipe, const TensorView& out
   }
   a.out = out;
   a.causal = shape_.causal;
+  a.window_left = shape_.window_left, a.window_right = shape_.window_right;
   a.recipe = recipe;
   return a;
 }

@@ -15,9 +15,11 @@ namespace sage::cli {
 struct CheckShape {
   int64_t batch = 1, heads = 2, kv_heads = 2, n = 1024, d = 128;
   bool causal = false;
+  int64_t window_left = -1, window_right = -1;  // the sliding window (-1: unbounded)
   uint64_t seed = 0;
   reference::SyntheticShape synthetic() const;
-  std::string describe() const;  // "batch 1, heads 2/2, N 1024, d 128, non-causal, seed 0"
+  // "batch 1, heads 2/2, N 1024, d 128, non-causal, seed 0" (", window (L, R)" when set)
+  std::string describe() const;
 };
 
 // One distribution's inputs and its float64 reference output, computed once and shared by

@@ -18,6 +18,7 @@
 #include "recipe_text.h"
 #include "sage/attention.h"
 #include "numerics/formats.h"
+#include "numerics/mask.h"
 
 namespace sage::cli {
 namespace {
@@ -29,14 +30,30 @@ struct BenchConfig {
   int64_t warmup = 5, iters = 30;
   bool split = false;  // also time the two steps (quantize_kv, attention_from_quantized_kv) alone
   int64_t k_mean_stride = 0;  // > 0: instead of each preset's (recipe.k_mean_stride)
+  WindowFlag window;          // --window: a sliding window at every point
   std::string json;
 };
 
 #ifdef SAGE_WITH_CUDA
+// The query-key pairs a point counts: N^2 (N^2 / 2 under a causal mask, as the records have
+// always counted it); under a window, exactly the pairs the mask leaves visible, summed over
+// the rows: the work the kernel computes, without the masked entries of its edge tiles.
+double counted_pairs(const BenchConfig& c, int64_t n, bool causal) {
+  const double all = static_cast<double>(n) * static_cast<double>(n);
+  if (!c.window.given()) return causal ? all / 2 : all;
+  const KeyWindow w = normalized_window(causal, c.window.left, c.window.right, n, n);
+  double pairs = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const KeyRange keys = visible_keys(i, n, n, w);
+    if (!keys.empty()) pairs += static_cast<double>(keys.end - keys.begin);
+  }
+  return pairs;
+}
+
 double tops(const BenchConfig& c, int64_t batch, int64_t n, int64_t d, bool causal, double ms) {
   const double ops = 4.0 * static_cast<double>(batch) * static_cast<double>(c.heads) *
-                     static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(d);
-  return (causal ? ops / 2 : ops) / (ms * 1e-3) / 1e12;
+                     counted_pairs(c, n, causal) * static_cast<double>(d);
+  return ops / (ms * 1e-3) / 1e12;
 }
 
 struct Inputs {
@@ -71,7 +88,7 @@ class HostRandom {
 };
 
 AttentionArgs make_args(const Inputs& in, DType dt, int64_t b, int64_t hq, int64_t hkv, int64_t n,
-                        int64_t d, bool causal, const Recipe& r) {
+                        int64_t d, bool causal, const WindowFlag& window, const Recipe& r) {
   AttentionArgs a;
   const Device dev = Device::cuda(0);
   a.q = contiguous_view(in.q.get(), dt, {b, hq, n, d}, dev);
@@ -80,6 +97,7 @@ AttentionArgs make_args(const Inputs& in, DType dt, int64_t b, int64_t hq, int64
   a.out = contiguous_view(in.out.get(), dt, {b, hq, n, d}, dev);
   a.layout = Layout::HND;
   a.causal = causal;
+  a.window_left = window.left, a.window_right = window.right;
   a.recipe = r;
   return a;
 }
@@ -122,6 +140,10 @@ int run_grid(const BenchConfig& c) {
   std::vector<std::string> columns = {"recipe", "dtype", "d",    "causal", "N",
                                       "batch",  "copies", "ms", "TOPS",   "workspace/QKV"};
   std::vector<bool> right = {false, false, true, false, true, true, true, true, true, true};
+  if (c.window.given()) {  // after "causal": the mask's two parts side by side
+    columns.insert(columns.begin() + 4, "window");
+    right.insert(right.begin() + 4, false);
+  }
   if (c.split) {
     columns.insert(columns.end(), {"prepass ms", "kernel ms", "kernel TOPS"});
     right.insert(right.end(), {true, true, true});
@@ -172,17 +194,22 @@ int run_grid(const BenchConfig& c) {
             std::ostringstream what;
             what << rn << " " << dts << " d=" << d << " causal=" << cs << " N=" << n;
             progress.step(what.str());
-            const std::vector<std::string> head = {rn, dts, std::to_string(d), cs,
-                                                   std::to_string(n), std::to_string(batch)};
+            std::vector<std::string> head = {rn, dts, std::to_string(d), cs, std::to_string(n),
+                                             std::to_string(batch)};
+            if (c.window.given()) head.insert(head.begin() + 4, c.window.text());
             JsonRecord rec;
             rec.str("impl", "sagekit").str("recipe", rn).integer("d", d).boolean("causal", causal)
                 .integer("n", n).integer("batch", batch).integer("heads", c.heads)
                 .integer("kv_heads", c.kv_heads).str("dtype", dts).boolean("whole_call", true)
                 .integer("k_mean_stride", recipe.k_mean_stride);
+            if (c.window.given()) {
+              rec.str("kind", "window").integers("window", {c.window.left, c.window.right});
+              rec.num("counted_pairs", counted_pairs(c, n, causal));
+            }
             try {
               std::vector<AttentionArgs> args;
               for (const Inputs& in : sets)
-                args.push_back(make_args(in, dt, batch, c.heads, c.kv_heads, n, d, causal, recipe));
+                args.push_back(make_args(in, dt, batch, c.heads, c.kv_heads, n, d, causal, c.window, recipe));
               const size_t ws = workspace_bytes(args[0]);
               DeviceBuffer workspace(ws);
               const size_t n_sets = args.size();
@@ -249,6 +276,9 @@ int run_grid(const BenchConfig& c) {
   table.print(std::cout);
   std::cout << "\nTOPS = 4 * batch * heads * N^2 * d / time (halved for causal); heads = "
             << c.heads << ", batch = " << c.tokens << " / N.\n";
+  if (c.window.given())
+    std::cout << "With --window " << c.window.text() << ", N^2 is the number of query-key pairs "
+              << "the mask leaves visible: only the unmasked work counts.\n";
   if (!c.json.empty()) {
     JsonRecord meta;
     meta.str("tool", "sage bench").str("device", device).str("build", build_description())
@@ -274,11 +304,15 @@ int run_bench(const std::vector<std::string>& args) {
       "sage bench",
       "Times sage::attention() on the GPU over the benchmark grid of DESIGN.md: whole call\n"
       "(quantization included), median of CUDA-event timings after warm-up, inputs rotated\n"
-      "over enough copies to exceed L2. TOPS = 4*B*H*N*N*d/time, halved for causal.\n"
+      "over enough copies to exceed L2. TOPS = 4*B*H*N*N*d/time, halved for causal; with\n"
+      "--window, N*N is the number of visible query-key pairs (only unmasked work counts).\n"
       "Needs a CUDA build and a GPU of compute capability 9.0; exits 2 without one.",
       {{"recipe", "NAME[,NAME..]|all", "presets to time (default sage2_8b)"},
        {"d", "LIST", "head dims, comma-separated (default: every head dim this build has kernels for)"},
        {"causal", "no|yes|both", "causal masking (default both)"},
+       {"window", "LEFT,RIGHT", "a sliding window at every point: query i sees keys i - LEFT .. "
+                                "i + RIGHT, -1 for an unbounded side (with causal, RIGHT -1 or "
+                                "0); e.g. --causal yes --window 4096,0"},
        {"n", "LIST", "sequence lengths (default 1K,2K,4K,8K,16K,32K)"},
        {"heads", "H", "query heads (default 32)"},
        {"kv-heads", "H", "key/value heads, dividing --heads (default: --heads)"},
@@ -302,6 +336,7 @@ int run_bench(const std::vector<std::string>& args) {
   const std::string causal = flags.choice("causal", "both", {"no", "yes", "both"});
   c.causal = causal == "both" ? std::vector<std::string>{"no", "yes"}
                               : std::vector<std::string>{causal};
+  c.window = window_flag(flags, "sage bench", causal != "no");
   c.ns = flags.integers("n", {1024, 2048, 4096, 8192, 16384, 32768}, 1, int64_t(1) << 22);
   c.heads = flags.integer("heads", 32, 1, 4096);
   c.kv_heads = flags.integer("kv-heads", c.heads, 1, c.heads);

@@ -115,6 +115,8 @@ int run_check(const std::vector<std::string>& args) {
        {"kv-heads", "H", "key/value heads, dividing --heads (default: --heads)"},
        {"batch", "B", "batch size (default 1)"},
        {"causal", "", "causal masking"},
+       {"window", "LEFT,RIGHT", "a sliding window: query i sees keys i - LEFT .. i + RIGHT, -1 "
+                                "for an unbounded side (with --causal, RIGHT -1 or 0)"},
        {"seed", "S", "seed of the synthetic inputs (default 0)"},
        {"json", "FILE", "also write every result as a JSON record"},
        {"device", "auto|cpu|gpu", "where the recipe runs (default auto: gpu when one is usable)"},
@@ -147,6 +149,8 @@ int run_check(const std::vector<std::string>& args) {
                      std::to_string(shape.kv_heads) + " and " + std::to_string(shape.heads) + ")");
   shape.batch = flags.integer("batch", 1, 1, 1 << 16);
   shape.causal = flags.has("causal");
+  const WindowFlag window = window_flag(flags, "sage check", shape.causal);
+  shape.window_left = window.left, shape.window_right = window.right;
   shape.seed = static_cast<uint64_t>(flags.integer("seed", 0, 0, INT64_MAX / 1024));
   const std::string json = flags.str("json", "");
   if (flags.has("json") && json.empty()) throw UsageError("sage check: --json needs a file name");
@@ -154,7 +158,7 @@ int run_check(const std::vector<std::string>& args) {
   if (flags.has("backward")) {
     if (device_flag == "gpu")
       throw UsageError("sage check: --backward runs on the CPU (no GPU backward exists yet)");
-    for (const char* f : {"p-range", "row-sum", "k-mean-stride", "qk-channel-balance"})
+    for (const char* f : {"p-range", "row-sum", "k-mean-stride", "qk-channel-balance", "window"})
       if (flags.has(f)) throw UsageError(std::string("sage check: --") + f + " does not apply with --backward");
     return run_check_backward(flags, shape, json);
   }
@@ -260,6 +264,7 @@ int run_check(const std::vector<std::string>& args) {
             .integer("kv_heads", shape.kv_heads).integer("n", shape.n).integer("d", shape.d)
             .boolean("causal", shape.causal).integer("seed", static_cast<int64_t>(shape.seed))
             .str("dtype", "fp16");
+        if (window.given()) r.integers("window", {window.left, window.right});
         if (p_range > 0) r.integer("p_range", p_range);
         if (k_mean_stride > 0) r.integer("k_mean_stride", k_mean_stride);
         if (balance) r.boolean("qk_channel_balance", true);

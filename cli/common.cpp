@@ -137,6 +137,22 @@ std::vector<int64_t> Flags::integers(const std::string& name, const std::vector<
   return out;
 }
 
+std::string WindowFlag::text() const { return std::to_string(left) + "," + std::to_string(right); }
+
+WindowFlag window_flag(const Flags& flags, const std::string& command, bool causal) {
+  WindowFlag w;
+  if (!flags.has("window")) return w;
+  const std::vector<int64_t> v = flags.integers("window", {}, -1, int64_t(1) << 30);
+  if (v.size() != 2)
+    throw UsageError(command + ": --window needs two values LEFT,RIGHT, -1 for an unbounded "
+                     "side (got '" + flags.str("window", "") + "')");
+  w.left = v[0], w.right = v[1];
+  if (causal && w.right > 0)
+    throw UsageError(command + ": --window's RIGHT must be -1 or 0 with causal masking, which is "
+                     "RIGHT = 0 (got " + std::to_string(w.right) + ")");
+  return w;
+}
+
 std::vector<std::string> Flags::choices(const std::string& name, const std::string& def,
                                         const std::vector<std::string>& allowed) const {
   const std::string s = str(name, def);
@@ -263,6 +279,13 @@ JsonRecord& JsonRecord::num(const std::string& key, double v) {
 
 JsonRecord& JsonRecord::integer(const std::string& key, int64_t v) {
   fields_.emplace_back(key, std::to_string(v));
+  return *this;
+}
+
+JsonRecord& JsonRecord::integers(const std::string& key, const std::vector<int64_t>& v) {
+  std::string text = "[";
+  for (size_t i = 0; i < v.size(); ++i) text += (i ? ", " : "") + std::to_string(v[i]);
+  fields_.emplace_back(key, text + "]");
   return *this;
 }
 

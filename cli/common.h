@@ -64,6 +64,16 @@ class Flags {
   bool help_ = false;
 };
 
+// --window LEFT,RIGHT: a sliding window (FlashAttention's window_size, -1 an unbounded side).
+struct WindowFlag {
+  int64_t left = -1, right = -1;
+  bool given() const { return left >= 0 || right >= 0; }
+  std::string text() const;  // "LEFT,RIGHT"
+};
+// The --window flag of `command` (absent: no window); with causal masking (`causal`) the
+// right bound must be -1 or 0, as the library requires.
+WindowFlag window_flag(const Flags& flags, const std::string& command, bool causal);
+
 std::string join(const std::vector<std::string>& items, const std::string& sep);
 // Parses an integer with an optional K (x1024) suffix; false when it is not one.
 bool parse_int(const std::string& s, int64_t* out);
@@ -101,6 +111,7 @@ class JsonRecord {
   JsonRecord& num(const std::string& key, double v);  // non-finite numbers become null
   JsonRecord& integer(const std::string& key, int64_t v);
   JsonRecord& boolean(const std::string& key, bool v);
+  JsonRecord& integers(const std::string& key, const std::vector<int64_t>& v);  // a JSON array
   std::string dump() const;
 
  private:

@@ -99,6 +99,8 @@ expect 2 "--backward runs on the CPU" -- "$sage" check --backward --device gpu
 expect 2 "--n must be an integer" -- "$sage" check --n 0
 expect 2 "unknown flag '--frob'" -- "$sage" check --frob
 expect 2 "sage: q: head_dim" -- "$sage" check --d 1000 --recipe sage2_8b --dist normal
+expect 0 "causal, window (64, 0)" -- "$sage" check --device cpu --recipe sage2_8b --dist normal --n 256 --causal --window 64,0
+expect 2 "--window needs two values" -- "$sage" check --window 64
 if ! "$sage" check --device gpu --recipe sage2_8b --dist normal --n 128 >/dev/null 2>&1; then
   expect 2 "nothing was timed" -- "$sage" bench
   expect 2 "--device gpu needs" -- "$sage" check --device gpu

@@ -10,9 +10,13 @@
 //   lse [batch, heads_q, n_q]               f32, optional: natural-log sum of exp(sm_scale q.k)
 // heads_q must be a multiple of heads_kv (GQA; heads_kv = 1 is MQA).
 //
-// Causal masking is aligned bottom-right (as FlashAttention-2/3): query i may attend key j
-// iff j <= i + (n_kv - n_q). A query row with no key to attend (n_q > n_kv) outputs zeros
-// and its LSE is -inf.
+// Masks are aligned bottom-right (as FlashAttention-2/3). With off = n_kv - n_q, query i
+// attends key j iff
+//     i + off - window_left <= j <= i + off + window_right
+// where a window bound of -1 is unbounded on that side (the default: no mask). causal is
+// window_right = 0, and combines with a left window (a sliding window over past keys). A
+// query row with no key to attend (causal or a right window with n_q > n_kv + window_right,
+// or n_kv = 0) outputs zeros and its LSE is -inf, never NaN.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +37,10 @@ struct AttentionArgs {
   TensorView lse;  // optional: leave undefined (data == nullptr, ndim == 0) to skip
   Layout layout = Layout::HND;
   bool causal = false;
+  // The sliding window (FlashAttention's window_size = (left, right)): -1 or >= 0 each. With
+  // causal, window_right must be -1 or 0. Keys outside the window are masked; statistics the
+  // recipe takes over keys (K smoothing's mean, V's scales) still cover every key.
+  int64_t window_left = -1, window_right = -1;
   std::optional<float> sm_scale;  // default 1/sqrt(head_dim)
   Recipe recipe = Recipe{};       // default: the sage2_8b preset's options
 
@@ -46,6 +54,9 @@ struct AttentionArgs {
 struct Problem {
   int64_t batch = 0, heads_q = 0, heads_kv = 0, n_q = 0, n_kv = 0, head_dim = 0;
   float sm_scale = 0.f;
+  // The mask as the window every entry point applies: causal folded in as window_right = 0,
+  // and a bound that masks no key of any row (e.g. window_left >= n_kv - 1) set to -1.
+  int64_t window_left = -1, window_right = -1;
 };
 
 // Checks every argument and returns the problem's shape; throws sage::Error naming the

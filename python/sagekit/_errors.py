@@ -1,7 +1,8 @@
 """Argument errors raised from Python look exactly like the ones raised by the C++ library."""
 
 import math
-from typing import Any, Optional
+import numbers
+from typing import Any, Optional, Tuple
 
 from ._C import ArgumentError
 
@@ -35,3 +36,25 @@ def checked_scale(scale: Any, name: str = "scale") -> Optional[float]:
 
 def _not_a_scale(name: str, scale: Any) -> ArgumentError:
     return argument_error(name, f"must be a float or None (got {type(scale).__name__})")
+
+
+def checked_window(window_size: Any, is_causal: bool, name: str = "window_size") -> Tuple[int, int]:
+    """FlashAttention's window_size = (left, right) as two ints, each -1 (unbounded) or >= 0.
+
+    With is_causal (which is right = 0) the right bound must be -1 or 0: a wider one would
+    contradict the causal mask, and is refused rather than overridden.
+    """
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise argument_error(name, "must be a pair (left, right) of ints, -1 for an unbounded "
+                             f"side (got {window_size!r})")
+    bounds = []
+    for side, value in zip(("left", "right"), window_size):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise argument_error(name, f"{side} must be an int (got {type(value).__name__})")
+        if value < -1:
+            raise argument_error(name, f"{side} must be -1 (unbounded) or >= 0 keys (got {value})")
+        bounds.append(int(value))
+    if is_causal and bounds[1] > 0:
+        raise argument_error(name, f"right must be -1 or 0 with is_causal=True, which is right = 0 "
+                             f"(got {bounds[1]})")
+    return bounds[0], bounds[1]

@@ -12,12 +12,12 @@ the op and raise the same error type.
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, NamedTuple, Optional
+from typing import Any, Dict, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
 from . import ops  # registers torch.ops.sagekit.*
-from ._errors import argument_error, checked_scale
+from ._errors import argument_error, checked_scale, checked_window
 from ._recipes import RecipeLike, recipe_key
 
 __all__ = ["sageattn", "scaled_dot_product_attention", "patch_sdpa", "SdpaPatch", "QuantizedKV",
@@ -59,15 +59,20 @@ def _check_layout(layout: Any) -> str:
 
 def sageattn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
              scale: Optional[float] = None, layout: str = "HND", recipe: RecipeLike = "auto",
-             return_lse: bool = False, *, q_scale: Optional[torch.Tensor] = None,
+             return_lse: bool = False, *, window_size: Tuple[int, int] = (-1, -1),
+             q_scale: Optional[torch.Tensor] = None,
              k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
              out_dtype: Optional[torch.dtype] = None):
-    """Quantized attention on the GPU: softmax(scale * q k^T [+ causal mask]) v.
+    """Quantized attention on the GPU: softmax(scale * q k^T [+ mask]) v.
 
     q [B, Hq, Nq, D], k/v [B, Hkv, Nkv, D] for layout "HND" ([B, N, H, D] for "NHD"),
     float16 or bfloat16 CUDA tensors; Hq a multiple of Hkv (GQA / MQA). Views with any
     strides and storage offsets are used in place; only head_dim must be contiguous.
     is_causal aligns the mask bottom-right (query i sees keys j <= i + Nkv - Nq).
+    window_size = (left, right), FlashAttention's sliding window: query i sees keys j with
+    i + Nkv - Nq - left <= j <= i + Nkv - Nq + right, -1 for an unbounded side; is_causal is
+    right = 0 and combines with a left bound (right must then be -1 or 0). Only the window's
+    K/V tiles are computed. A query row that sees no key gets output 0 and LSE -inf.
     scale defaults to 1/sqrt(D). recipe: "auto" (sage2_8b_balanced on compute capability
     9.0, an error elsewhere), a preset name, a spec string or a dict of options.
     Returns the output (q's shape and dtype), and with return_lse also the float32
@@ -96,9 +101,11 @@ def sageattn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool 
             _check_cuda(t, name, q)
     if not isinstance(is_causal, bool):
         raise argument_error("is_causal", f"must be a bool (got {type(is_causal).__name__})")
+    left, right = checked_window(window_size, is_causal)
     scale = checked_scale(scale)
-    out, lse = ops.call_attention(q, k, v, layout, is_causal, scale, recipe_key(recipe),
-                                           return_lse, q_scale, k_scale, v_scale, out_dtype)
+    out, lse = ops.call_attention(q, k, v, layout, is_causal, left, right, scale,
+                                  recipe_key(recipe), return_lse, q_scale, k_scale, v_scale,
+                                  out_dtype)
     return (out, lse) if return_lse else out
 
 
@@ -160,12 +167,14 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, layout: str = "HND",
 
 def sageattn_quantized_kv(q: torch.Tensor, kv: QuantizedKV, is_causal: bool = False,
                           scale: Optional[float] = None, return_lse: bool = False, *,
+                          window_size: Tuple[int, int] = (-1, -1),
                           q_scale: Optional[torch.Tensor] = None,
                           out_dtype: Optional[torch.dtype] = None):
     """Step two of sageattn: attention of q over K/V that quantize_kv already quantized.
 
     q [B, Hq, Nq, D] in kv's layout, kv's dtype and device, Hq a multiple of kv's heads;
-    the recipe is kv's. is_causal, scale, return_lse, q_scale and out_dtype as in sageattn.
+    the recipe is kv's. is_causal, scale, return_lse, window_size, q_scale and out_dtype as
+    in sageattn.
     Only the attention kernel runs (no K/V pre-pass); kv is read, never changed, so it
     serves any number of calls.
     """
@@ -194,13 +203,14 @@ def sageattn_quantized_kv(q: torch.Tensor, kv: QuantizedKV, is_causal: bool = Fa
                              f"{k.shape[heads]} (got {q.shape[heads]})")
     if not isinstance(is_causal, bool):
         raise argument_error("is_causal", f"must be a bool (got {type(is_causal).__name__})")
+    left, right = checked_window(window_size, is_causal)
     if q_scale is not None:
         _check_tensor(q_scale, "q_scale")
         _check_cuda(q_scale, "q_scale", k)
     scale = checked_scale(scale)
     out, lse = ops.call_attention_from_quantized_kv(
-        q, k, kv.v, kv.workspace, kv.layout, is_causal, scale, kv.recipe, return_lse, q_scale,
-        kv.k_scale, kv.v_scale, out_dtype)
+        q, k, kv.v, kv.workspace, kv.layout, is_causal, left, right, scale, kv.recipe,
+        return_lse, q_scale, kv.k_scale, kv.v_scale, out_dtype)
     return (out, lse) if return_lse else out
 
 

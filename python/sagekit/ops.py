@@ -10,11 +10,13 @@ capture records our kernels like any other op. The op body keeps the capture-saf
   * nothing synchronizes the device or reads a device value on the host (.item() etc.).
 
 Ops:
-  torch.ops.sagekit.attention(q, k, v, layout, is_causal, scale, recipe, return_lse,
-                              q_scale, k_scale, v_scale, out_dtype) -> (out, lse)
+  torch.ops.sagekit.attention(q, k, v, layout, is_causal, window_left, window_right, scale,
+                              recipe, return_lse, q_scale, k_scale, v_scale, out_dtype)
+                              -> (out, lse)
     out: q's shape (contiguous, in q's layout), the input dtype (out_dtype, default
     float16, for prequantized int8 inputs); lse: float32 [B, Hq, Nq] when return_lse,
-    else an empty tensor. recipe: a preset name, a spec string or "auto".
+    else an empty tensor. window_left, window_right: the sliding window (-1: unbounded).
+    recipe: a preset name, a spec string or "auto".
 
   The same call in two steps (the C++ quantize_kv / attention_from_quantized_kv), so that
   K/V are quantized once and attended many times (a KV cache, several query sets, timing
@@ -22,9 +24,10 @@ Ops:
   torch.ops.sagekit.quantize_kv(k, v, layout, recipe, k_scale, v_scale) -> workspace
     workspace: a uint8 tensor of kv_workspace_bytes(B, Hkv, Nkv, D, recipe) bytes on k's
     device holding the quantized K/V (opaque: only attention_from_quantized_kv reads it).
-  torch.ops.sagekit.attention_from_quantized_kv(q, k, v, workspace, layout, is_causal, scale,
-                                                recipe, return_lse, q_scale, k_scale,
-                                                v_scale, out_dtype) -> (out, lse)
+  torch.ops.sagekit.attention_from_quantized_kv(q, k, v, workspace, layout, is_causal,
+                                                window_left, window_right, scale, recipe,
+                                                return_lse, q_scale, k_scale, v_scale,
+                                                out_dtype) -> (out, lse)
     as sagekit::attention; k, v (only their shapes are used: the data is not read again),
     layout, recipe and the scales must be those quantize_kv was given.
 """
@@ -146,7 +149,8 @@ def _outputs(q: torch.Tensor, layout: str, return_lse: bool,
 
 
 def _attention_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, is_causal: bool,
-              scale: Optional[float], recipe: str, return_lse: bool,
+              window_left: int, window_right: int, scale: Optional[float], recipe: str,
+              return_lse: bool,
               q_scale: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
               v_scale: Optional[torch.Tensor],
               out_dtype: Optional[torch.dtype]) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -156,7 +160,8 @@ def _attention_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: s
     with _on_device(q.device) as stream:
         _C.attention(dlpack_capsule(q), dlpack_capsule(k), dlpack_capsule(v),
                      dlpack_capsule(out), dlpack_capsule(lse) if return_lse else None,
-                     layout=layout, causal=is_causal, sm_scale=scale, recipe=recipe,
+                     layout=layout, causal=is_causal, window_left=window_left,
+                     window_right=window_right, sm_scale=scale, recipe=recipe,
                      workspace=_allocate(q.device), stream=stream, q_scale=_capsule(q_scale),
                      k_scale=_capsule(k_scale), v_scale=_capsule(v_scale))
     return out, lse
@@ -167,8 +172,8 @@ attention = torch.library.custom_op("sagekit::attention", mutates_args=(),
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, layout, is_causal, scale, recipe, return_lse, q_scale, k_scale,
-                    v_scale, out_dtype):
+def _attention_fake(q, k, v, layout, is_causal, window_left, window_right, scale, recipe,
+                    return_lse, q_scale, k_scale, v_scale, out_dtype):
     # Same shapes, dtypes and (contiguous) strides as the real op allocates.
     out = q.new_empty(q.shape, dtype=_out_dtype(q, out_dtype))
     lse = q.new_empty(_lse_shape(q, layout, return_lse), dtype=torch.float32)
@@ -216,6 +221,7 @@ def _quantize_kv_fake(k, v, layout, recipe, k_scale, v_scale):
 
 def _attention_from_quantized_kv_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 workspace: torch.Tensor, layout: str, is_causal: bool,
+                                window_left: int, window_right: int,
                                 scale: Optional[float], recipe: str, return_lse: bool,
                                 q_scale: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
                                 v_scale: Optional[torch.Tensor], out_dtype: Optional[torch.dtype]
@@ -227,6 +233,7 @@ def _attention_from_quantized_kv_body(q: torch.Tensor, k: torch.Tensor, v: torch
         _C.attention_from_quantized_kv(
             dlpack_capsule(q), dlpack_capsule(k), dlpack_capsule(v), dlpack_capsule(out),
             dlpack_capsule(lse) if return_lse else None, layout=layout, causal=is_causal,
+            window_left=window_left, window_right=window_right,
             sm_scale=scale, recipe=recipe, workspace=dlpack_capsule(workspace), stream=stream,
             q_scale=_capsule(q_scale), k_scale=_capsule(k_scale), v_scale=_capsule(v_scale))
     return out, lse
@@ -238,10 +245,11 @@ attention_from_quantized_kv = torch.library.custom_op(
 
 
 @attention_from_quantized_kv.register_fake
-def _attention_from_quantized_kv_fake(q, k, v, workspace, layout, is_causal, scale, recipe,
-                                      return_lse, q_scale, k_scale, v_scale, out_dtype):
-    return _attention_fake(q, k, v, layout, is_causal, scale, recipe, return_lse, q_scale,
-                           k_scale, v_scale, out_dtype)
+def _attention_from_quantized_kv_fake(q, k, v, workspace, layout, is_causal, window_left,
+                                      window_right, scale, recipe, return_lse, q_scale, k_scale,
+                                      v_scale, out_dtype):
+    return _attention_fake(q, k, v, layout, is_causal, window_left, window_right, scale, recipe,
+                           return_lse, q_scale, k_scale, v_scale, out_dtype)
 
 
 # ---- the eager fast path -------------------------------------------------------------------

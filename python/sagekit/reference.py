@@ -13,7 +13,7 @@ import sys
 from typing import Any, Optional, Tuple
 
 from . import _C
-from ._errors import argument_error, checked_scale
+from ._errors import argument_error, checked_scale, checked_window
 from ._recipes import RecipeLike
 
 
@@ -65,10 +65,12 @@ def _host_capsule(t: Any, name: str) -> Any:
     return dlpack_capsule(t.detach())
 
 
-def _run(fn, q, k, v, recipe, is_causal, scale, layout, return_lse, q_scale, k_scale, v_scale):
+def _run(fn, q, k, v, recipe, is_causal, scale, layout, return_lse, q_scale, k_scale, v_scale,
+         window_size):
     layout = _layout(layout)
     if not isinstance(is_causal, bool):
         raise argument_error("is_causal", f"must be a bool (got {type(is_causal).__name__})")
+    left, right = checked_window(window_size, is_causal)
     scale = checked_scale(scale)
     if _is_torch(q):
         kind = "torch"
@@ -103,32 +105,34 @@ def _run(fn, q, k, v, recipe, is_causal, scale, layout, return_lse, q_scale, k_s
         lse = np.empty(_lse_shape(shape, layout), dtype=np.float32) if return_lse else None
         conv, out_arg, lse_arg = named, out, lse
     fn(conv["q"], conv["k"], conv["v"], out_arg, lse_arg, layout=layout, causal=is_causal,
-       sm_scale=scale, recipe=recipe,
+       window_left=left, window_right=right, sm_scale=scale, recipe=recipe,
        q_scale=conv["q_scale"], k_scale=conv["k_scale"], v_scale=conv["v_scale"])
     return (out, lse) if return_lse else out
 
 
 def simulate(q, k, v, recipe: RecipeLike = "sage2_8b", is_causal: bool = False,
              scale: Optional[float] = None, layout: str = "HND", return_lse: bool = False,
-             q_scale=None, k_scale=None, v_scale=None):
+             q_scale=None, k_scale=None, v_scale=None, window_size: Tuple[int, int] = (-1, -1)):
     """The recipe on the CPU, bit for bit the GPU kernel's quantization.
 
     q, k, v: NumPy arrays or CPU torch tensors, float16/bfloat16 (int8 with q_scale,
     k_scale, v_scale for prequantized recipes), [B, H, N, D] ("HND") or [B, N, H, D]
     ("NHD"); heads of q a multiple of heads of k/v (GQA). recipe: a preset name, a spec
-    string or a dict of options ("auto" means sage2_8b_balanced, what the Hopper path runs
-    for "auto"). Returns a float32 output of q's shape (and the float32 natural-log LSE,
-    [B, H, N], with return_lse=True), as NumPy or torch like the inputs.
+    string or a dict of options ("auto" means sage2_8b_balanced, what the Hopper path
+    runs for "auto"). window_size = (left, right): the sliding window as in sagekit.sageattn.
+    Returns a float32 output of q's shape (and the float32 natural-log LSE, [B, H, N], with
+    return_lse=True), as NumPy or torch like the inputs; a row that sees no key gets 0 and
+    an LSE of -inf.
     """
     if isinstance(recipe, str) and recipe == "auto":
         recipe = "sage2_8b_balanced"
     return _run(_C.simulate, q, k, v, recipe, is_causal, scale, layout, return_lse,
-                q_scale, k_scale, v_scale)
+                q_scale, k_scale, v_scale, window_size)
 
 
 def exact(q, k, v, is_causal: bool = False, scale: Optional[float] = None, layout: str = "HND",
           return_lse: bool = False, recipe: Optional[RecipeLike] = None,
-          q_scale=None, k_scale=None, v_scale=None):
+          q_scale=None, k_scale=None, v_scale=None, window_size: Tuple[int, int] = (-1, -1)):
     """Attention in float64 on the CPU, returned as float32 (same arguments as simulate).
 
     The recipe only says how to read prequantized inputs: it defaults to "int_flash" when
@@ -137,7 +141,7 @@ def exact(q, k, v, is_causal: bool = False, scale: Optional[float] = None, layou
     if recipe is None or (isinstance(recipe, str) and recipe == "auto"):
         recipe = "int_flash" if q_scale is not None else "sage2_8b"
     return _run(_C.exact, q, k, v, recipe, is_causal, scale, layout, return_lse,
-                q_scale, k_scale, v_scale)
+                q_scale, k_scale, v_scale, window_size)
 
 
 def _new_float32(kind: str, shape: Tuple[int, ...]):

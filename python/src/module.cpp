@@ -60,11 +60,18 @@ void fill_shared(Args& a, ViewSet& arrays, nb::handle q, nb::handle k, nb::handl
   a.v = arrays.input(v, "v");
 }
 
+// The sliding window (FlashAttention's window_size): -1 or >= 0 keys per side.
+struct Window {
+  int64_t left = -1, right = -1;
+};
+
 void fill(Call& c, nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
-          const std::string& layout, bool causal, std::optional<double> sm_scale,
+          const std::string& layout, bool causal, Window window, std::optional<double> sm_scale,
           nb::handle recipe, nb::handle q_scale, nb::handle k_scale, nb::handle v_scale) {
   sage::AttentionArgs& a = c.args;
   fill_shared(a, c.arrays, q, k, v, layout, causal, sm_scale, recipe);
+  a.window_left = window.left;
+  a.window_right = window.right;
   if (out.is_none()) throw sage::Error("out", "is required (an array of q's shape to write into)");
   a.out = c.arrays.output(out, "out");
   a.lse = c.arrays.output(lse, "lse");
@@ -118,6 +125,8 @@ nb::dict problem_dict(const sage::Problem& p) {
   d["n_kv"] = p.n_kv;
   d["head_dim"] = p.head_dim;
   d["sm_scale"] = p.sm_scale;
+  d["window_left"] = p.window_left;
+  d["window_right"] = p.window_right;
   return d;
 }
 
@@ -183,8 +192,8 @@ PyObject* g_cuda_error = nullptr;
 // The keyword arguments of every entry point that takes an attention call, in order.
 #define SAGEKIT_CALL_KWARGS                                                                     \
   "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none() = nb::none(),       \
-      "layout"_a = "HND", "causal"_a = false, "sm_scale"_a = nb::none(),                        \
-      "recipe"_a.none() = "sage2_8b", "q_scale"_a.none() = nb::none(),                          \
+      "layout"_a = "HND", "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1,     \
+      "sm_scale"_a = nb::none(), "recipe"_a.none() = "sage2_8b", "q_scale"_a.none() = nb::none(), \
       "k_scale"_a.none() = nb::none(), "v_scale"_a.none() = nb::none()
 
 NB_MODULE(_C, m) {
@@ -233,17 +242,20 @@ NB_MODULE(_C, m) {
   const auto common_doc =
       "q, k, v: [batch, heads, tokens, head_dim] (HND) or [batch, tokens, heads, head_dim] "
       "(NHD) arrays; out: q's shape, written; lse: optional [batch, heads_q, n_q] float32, "
-      "written; recipe: a preset name, a spec string ('sage2_8b,pv_accum=fp32') or a dict of "
-      "options; q_scale/k_scale/v_scale: float32 scales for prequantized INT8 inputs.";
+      "written; causal: bottom-right causal mask; window_left/window_right: a sliding window "
+      "(-1: unbounded; FlashAttention's window_size); recipe: a preset name, a spec string "
+      "('sage2_8b,pv_accum=fp32') or a dict of options; q_scale/k_scale/v_scale: float32 "
+      "scales for prequantized INT8 inputs.";
 
   m.def(
       "attention",
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
-         const std::string& layout, bool causal, std::optional<double> sm_scale,
-         nb::handle recipe, nb::handle workspace, uintptr_t stream, nb::handle q_scale,
-         nb::handle k_scale, nb::handle v_scale) {
+         const std::string& layout, bool causal, int64_t window_left, int64_t window_right,
+         std::optional<double> sm_scale, nb::handle recipe, nb::handle workspace,
+         uintptr_t stream, nb::handle q_scale, nb::handle k_scale, nb::handle v_scale) {
         Call c;
-        fill(c, q, k, v, out, lse, layout, causal, sm_scale, recipe, q_scale, k_scale, v_scale);
+        fill(c, q, k, v, out, lse, layout, causal, {window_left, window_right}, sm_scale, recipe,
+             q_scale, k_scale, v_scale);
         const size_t need = sage::workspace_bytes(c.args);
         void* ws = nullptr;
         size_t ws_size = 0;
@@ -272,6 +284,7 @@ NB_MODULE(_C, m) {
         sage::attention(c.args, ws, ws_size, reinterpret_cast<void*>(stream));
       },
       "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none() = nb::none(), "layout"_a = "HND", "causal"_a = false,
+      "window_left"_a = -1, "window_right"_a = -1,
       "sm_scale"_a = nb::none(), "recipe"_a.none() = "sage2_8b", "workspace"_a.none() = nb::none(),
       "stream"_a = 0, "q_scale"_a.none() = nb::none(), "k_scale"_a.none() = nb::none(),
       "v_scale"_a.none() = nb::none(),
@@ -285,10 +298,12 @@ NB_MODULE(_C, m) {
   m.def(
       "workspace_bytes",
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
-         const std::string& layout, bool causal, std::optional<double> sm_scale,
-         nb::handle recipe, nb::handle q_scale, nb::handle k_scale, nb::handle v_scale) {
+         const std::string& layout, bool causal, int64_t window_left, int64_t window_right,
+         std::optional<double> sm_scale, nb::handle recipe, nb::handle q_scale,
+         nb::handle k_scale, nb::handle v_scale) {
         Call c;
-        fill(c, q, k, v, out, lse, layout, causal, sm_scale, recipe, q_scale, k_scale, v_scale);
+        fill(c, q, k, v, out, lse, layout, causal, {window_left, window_right}, sm_scale, recipe,
+             q_scale, k_scale, v_scale);
         return sage::workspace_bytes(c.args);
       },
       SAGEKIT_CALL_KWARGS,
@@ -358,11 +373,12 @@ NB_MODULE(_C, m) {
   m.def(
       "attention_from_quantized_kv",
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
-         const std::string& layout, bool causal, std::optional<double> sm_scale,
-         nb::handle recipe, nb::handle workspace, uintptr_t stream, nb::handle q_scale,
-         nb::handle k_scale, nb::handle v_scale) {
+         const std::string& layout, bool causal, int64_t window_left, int64_t window_right,
+         std::optional<double> sm_scale, nb::handle recipe, nb::handle workspace,
+         uintptr_t stream, nb::handle q_scale, nb::handle k_scale, nb::handle v_scale) {
         Call c;
-        fill(c, q, k, v, out, lse, layout, causal, sm_scale, recipe, q_scale, k_scale, v_scale);
+        fill(c, q, k, v, out, lse, layout, causal, {window_left, window_right}, sm_scale, recipe,
+             q_scale, k_scale, v_scale);
         if (workspace.is_none())
           throw sage::Error("workspace", "is required: the buffer quantize_kv filled from these "
                                          "k and v with this recipe");
@@ -376,8 +392,9 @@ NB_MODULE(_C, m) {
         sage::attention_from_quantized_kv(c.args, ws, ws_size, reinterpret_cast<void*>(stream));
       },
       "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none() = nb::none(),
-      "layout"_a = "HND", "causal"_a = false, "sm_scale"_a = nb::none(),
-      "recipe"_a.none() = "sage2_8b", "workspace"_a.none() = nb::none(), "stream"_a = 0,
+      "layout"_a = "HND", "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1,
+      "sm_scale"_a = nb::none(), "recipe"_a.none() = "sage2_8b", "workspace"_a.none() = nb::none(),
+      "stream"_a = 0,
       "q_scale"_a.none() = nb::none(), "k_scale"_a.none() = nb::none(),
       "v_scale"_a.none() = nb::none(),
       (std::string("Step two of attention(): attention of q over the K/V that quantize_kv put in "
@@ -397,11 +414,12 @@ NB_MODULE(_C, m) {
   // The CPU references share everything but the function they call.
   auto host_reference = [](void (*reference)(const sage::AttentionArgs&)) {
     return [reference](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
-                       const std::string& layout, bool causal, std::optional<double> sm_scale,
-                       nb::handle recipe, nb::handle q_scale, nb::handle k_scale,
-                       nb::handle v_scale) {
+                       const std::string& layout, bool causal, int64_t window_left,
+                       int64_t window_right, std::optional<double> sm_scale, nb::handle recipe,
+                       nb::handle q_scale, nb::handle k_scale, nb::handle v_scale) {
       Call c;
-      fill(c, q, k, v, out, lse, layout, causal, sm_scale, recipe, q_scale, k_scale, v_scale);
+      fill(c, q, k, v, out, lse, layout, causal, {window_left, window_right}, sm_scale, recipe,
+           q_scale, k_scale, v_scale);
       require_host(c.args);
       nb::gil_scoped_release unlocked;
       reference(c.args);
@@ -455,11 +473,12 @@ NB_MODULE(_C, m) {
   m.def(
       "check_args",
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
-         const std::string& layout, bool causal, std::optional<double> sm_scale,
-         nb::handle recipe, nb::handle q_scale, nb::handle k_scale, nb::handle v_scale,
-         const std::string& device) {
+         const std::string& layout, bool causal, int64_t window_left, int64_t window_right,
+         std::optional<double> sm_scale, nb::handle recipe, nb::handle q_scale,
+         nb::handle k_scale, nb::handle v_scale, const std::string& device) {
         Call c;
-        fill(c, q, k, v, out, lse, layout, causal, sm_scale, recipe, q_scale, k_scale, v_scale);
+        fill(c, q, k, v, out, lse, layout, causal, {window_left, window_right}, sm_scale, recipe,
+             q_scale, k_scale, v_scale);
         sage::DeviceKind kind;
         if (device == "cuda") kind = sage::DeviceKind::cuda;
         else if (device == "cpu") kind = sage::DeviceKind::cpu;

@@ -13,6 +13,7 @@
 #include "sage/error.h"
 #include "sage/recipe.h"
 #include "sage/tensor.h"
+#include "numerics/mask.h"
 #include "sm90/fwd/kernel_traits.h"
 
 namespace sage {
@@ -151,6 +152,19 @@ void check_scale(const TensorView& t, const char* name, std::initializer_list<in
   }
 }
 
+void check_window(const AttentionArgs& a) {
+  const struct {
+    int64_t value;
+    const char* name;
+  } bounds[] = {{a.window_left, "window_left"}, {a.window_right, "window_right"}};
+  for (const auto& b : bounds)
+    if (b.value < -1)
+      throw Error(b.name, "must be -1 (unbounded) or >= 0 keys (got " + num(b.value) + ")");
+  if (a.causal && a.window_right > 0)
+    throw Error("window_right", "must be -1 or 0 with causal = true, which is window_right = 0 "
+                                "(got " + num(a.window_right) + ")");
+}
+
 }  // namespace
 
 Problem check_args(const AttentionArgs& a, DeviceKind device) {
@@ -287,6 +301,7 @@ Problem check_args(const AttentionArgs& a, DeviceKind device) {
 
   if (a.sm_scale && !(std::isfinite(*a.sm_scale) && *a.sm_scale > 0.f))
     throw Error("sm_scale", "must be finite and > 0 (got " + float_str(*a.sm_scale) + ")");
+  check_window(a);
 
   check_no_self_overlap(a.out, "out");
   if (a.lse.defined()) check_no_self_overlap(a.lse, "lse");
@@ -300,6 +315,9 @@ Problem check_args(const AttentionArgs& a, DeviceKind device) {
   p.head_dim = q.head_dim;
   p.sm_scale = a.sm_scale ? *a.sm_scale
                           : static_cast<float>(1.0 / std::sqrt(static_cast<double>(q.head_dim)));
+  const KeyWindow w = normalized_window(a.causal, a.window_left, a.window_right, p.n_q, p.n_kv);
+  p.window_left = w.left;
+  p.window_right = w.right;
   return p;
 }
 
@@ -323,6 +341,9 @@ Problem check_kv_args(const AttentionArgs& a, DeviceKind device) {
     stride *= std::max<int64_t>(1, self.out.shape[i]);
   }
   self.sm_scale.reset();
+  // The mask belongs to the attention half, which checks it.
+  self.causal = false;
+  self.window_left = self.window_right = -1;
   try {
     Problem p = check_args(self, device);
     p.n_q = 0;

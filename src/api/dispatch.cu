@@ -276,7 +276,11 @@ void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVar
   ap.p_fold_k = fold.k, ap.p_fold_mult_limit = fold.mult_limit;
   ap.q_granularity = r.qk_granularity;
   ap.q_max = qk_format_max(r);
-  ap.causal = args.causal, ap.smooth_k = r.smooth_k, ap.smooth_v = r.smooth_v;
+  // A right bound makes the items' work grow along the diagonal, as causal does (the
+  // scheduler's causal orders); causal with n_q = 1 masks nothing and keeps its order.
+  ap.causal = args.causal || pr.window_right >= 0;
+  ap.smooth_k = r.smooth_k, ap.smooth_v = r.smooth_v;
+  ap.window_left = int(pr.window_left), ap.window_right = int(pr.window_right);
   ap.smooth_q = r.smooth_q;
   ap.quantized_row_sum = r.row_sum == RowSum::quantized_p;
   ap.work = sm90::work_schedule(ap, D, sm90::v_bytes(v.path));  // after every field it reads

@@ -4,6 +4,7 @@
 #include <limits>
 #include <vector>
 
+#include "numerics/mask.h"
 #include "reference/parallel.h"
 #include "reference/tensor_io.h"
 #include "sage/attention.h"
@@ -128,6 +129,7 @@ void exact(const AttentionArgs& args) {
   std::vector<double> out(static_cast<size_t>(p.batch * p.heads_q * nq * d), 0.0);
   std::vector<double> lse(static_cast<size_t>(p.batch * p.heads_q * nq),
                           -std::numeric_limits<double>::infinity());
+  const KeyWindow window{p.window_left, p.window_right};
 
   parallel_for(p.batch * p.heads_q, [&](int64_t bh) {
     const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
@@ -138,11 +140,11 @@ void exact(const AttentionArgs& args) {
     std::vector<double> s(static_cast<size_t>(nkv));
     std::vector<double> acc(static_cast<size_t>(d));
     for (int64_t i = 0; i < nq; ++i) {
-      // Bottom-right alignment: the last query sees the last key.
-      const int64_t visible = args.causal ? std::min(nkv, std::max<int64_t>(0, i + nkv - nq + 1)) : nkv;
-      if (visible == 0) continue;  // out stays 0, lse stays -inf
+      // Bottom-right alignment (numerics/mask.h): the keys row i sees are one interval.
+      const KeyRange keys = visible_keys(i, nq, nkv, window);
+      if (keys.empty()) continue;  // out stays 0, lse stays -inf
       double m = -std::numeric_limits<double>::infinity();
-      for (int64_t j = 0; j < visible; ++j) {
+      for (int64_t j = keys.begin; j < keys.end; ++j) {
         double dot = 0;
         for (int64_t c = 0; c < d; ++c) dot += qh[i * d + c] * kh[j * d + c];
         s[j] = scale * dot;
@@ -150,7 +152,7 @@ void exact(const AttentionArgs& args) {
       }
       double l = 0;
       std::fill(acc.begin(), acc.end(), 0.0);
-      for (int64_t j = 0; j < visible; ++j) {
+      for (int64_t j = keys.begin; j < keys.end; ++j) {
         const double e = std::exp(s[j] - m);
         l += e;
         for (int64_t c = 0; c < d; ++c) acc[c] += e * vh[j * d + c];

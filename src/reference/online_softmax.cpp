@@ -25,14 +25,15 @@ float softmax_enter_tile(RowState& st, const float* s2, int64_t count, float* p)
 }
 
 float softmax_enter_tile_integer_max(RowState& st, const int32_t* acc, const float* mult,
-                                     int64_t count, const rules::PScaleFold& fold, float* ps) {
+                                     int64_t count, const rules::PScaleFold& fold, float* ps,
+                                     int64_t first) {
   // Numbered as docs/numerics.md, step 6, "Integer row max".
   // 1. The integer max of each thread group (a GPU thread's own columns, nothing wider: the
   // groups' multipliers differ, so they meet only as floats, in 2).
   int32_t amax[kKThreadGroups] = {};
   float gmult[kKThreadGroups] = {};
   bool present[kKThreadGroups] = {};
-  for (int64_t j = 0; j < count; ++j) {
+  for (int64_t j = first; j < count; ++j) {
     const int g = static_cast<int>((j % 8) / 2);
     if (!present[g]) {
       present[g] = true;
@@ -72,7 +73,8 @@ float softmax_enter_tile_integer_max(RowState& st, const int32_t* acc, const flo
   // 4-5. The biased integer is exact as a float ([2^23, 2^24] for d <= 256), and one
   // fused multiply-add rounds once: x = (acc - amax) * mult + (tmax - m), up to c's rounding.
   // Any other group adds k after it (a second rounding). exp2 then gives P~ * p_scale.
-  for (int64_t j = 0; j < count; ++j) {
+  for (int64_t j = 0; j < first; ++j) ps[j] = 0.f;
+  for (int64_t j = first; j < count; ++j) {
     const int g = static_cast<int>((j % 8) / 2);
     assert(acc[j] - amax[g] >= -rules::kIntRowMaxBias);
     const float f = static_cast<float>(rules::kIntRowMaxBias + (acc[j] - amax[g]));

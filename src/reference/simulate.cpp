@@ -15,6 +15,7 @@
 #include "reference/qk_quantize.h"
 #include "reference/tensor_io.h"
 #include "sage/attention.h"
+#include "numerics/mask.h"
 #include "numerics/quant_rules.h"
 #include "numerics/tile.h"
 
@@ -134,8 +135,6 @@ struct RowScratch {
   explicit RowScratch(int64_t block_kv) : s2(block_kv), pt(block_kv), acc(block_kv), mult(block_kv), ps(block_kv) {}
 };
 
-// Steps 4-9 for one KV tile of row i: its logits, the online softmax, P's quantization and
-// the PV accumulation into O.
 // INT-FlashAttention's denominator: the quantized P's sum, which is NaN where P~ is (the codes
 // of a NaN are not: the float sum carries it, as the kernel's does).
 float quantized_row_sum(const RowScratch& x, int64_t count) {
@@ -143,15 +142,18 @@ float quantized_row_sum(const RowScratch& x, int64_t count) {
   return x.ptile.dequantized_sum + (float_sum - float_sum);
 }
 
+// Steps 4-9 for one KV tile of row i: its logits, the online softmax, P's quantization and
+// the PV accumulation into O. The tile's keys j0 .. j0 + count - 1, of which the first `first`
+// lie before the row's window (step 5: masked, P = 0, as in the kernel's tile).
 void attend_tile(const RowPlan& pl, const sim::QKOperand& qop, int64_t i, const KVHead& kvh,
-                 const float* ds, int64_t j0, int64_t count, sim::RowState& st, float* O,
-                 RowScratch& x) {
+                 const float* ds, int64_t j0, int64_t count, int64_t first, sim::RowState& st,
+                 float* O, RowScratch& x) {
   const Recipe& r = *pl.r;
   float alpha;
   if (pl.int_max) {  // no smooth_q here: the rule excludes it
     sim::qk_int_accumulators(qop, i, kvh.k, j0, count, pl.sl2, x.acc.data(), x.mult.data());
     alpha = sim::softmax_enter_tile_integer_max(st, x.acc.data(), x.mult.data(), count, pl.p_fold,
-                                                x.ps.data());
+                                                x.ps.data(), first);
     // P~ for the row sum; with P's scale in the exponent the codes come from ps itself, as on
     // the GPU.
     for (int64_t j = 0; j < count; ++j) x.pt[j] = x.ps[j] / pl.exp_scale;
@@ -159,6 +161,7 @@ void attend_tile(const RowPlan& pl, const sim::QKOperand& qop, int64_t i, const 
     sim::qk_logits(qop, i, kvh.k, j0, count, pl.sl2, x.s2.data());
     if (r.smooth_q)
       for (int64_t j = 0; j < count; ++j) x.s2[j] += ds[j0 + j];
+    std::fill(x.s2.begin(), x.s2.begin() + first, -std::numeric_limits<float>::infinity());
     alpha = sim::softmax_enter_tile(st, x.s2.data(), count, x.pt.data());
   }
   // per_token P (SageBwd): the tile's largest P~ from the softmax's own maxima.
@@ -220,20 +223,25 @@ void prepare_kv_heads(const AttentionArgs& args, const Problem& p, const std::ve
 // The keys whose V the kernel multiplies into row i's output: every key of each K/V tile that
 // row i's Q tile loads (sm90/fwd/mask.cuh, kv_tiles: under causal, up to the tile holding the
 // Q tile's last row's last key), with P = 0 where row i masks them.
-int64_t keys_loaded(bool causal, int64_t i, int64_t nq, int64_t nkv, TileConfig tc) {
-  if (!causal) return nkv;
-  const int64_t last_row = std::min(nq, (i / tc.block_q + 1) * tc.block_q) - 1;
-  const int64_t last_key = last_row + nkv - nq;
-  if (last_key < 0) return 0;
-  return std::min(nkv, (last_key / tc.block_kv + 1) * tc.block_kv);
+// The keys whose V the kernel multiplies into row i's output: every key of the K/V tiles row
+// i's Q tile visits (numerics/mask.h, visible_tiles, as sm90/fwd/mask.cuh takes them), with
+// P = 0 where row i masks them.
+KeyRange keys_loaded(const Problem& p, int64_t i, TileConfig tc) {
+  const int64_t row0 = i / tc.block_q * tc.block_q, row_end = std::min(p.n_q, row0 + tc.block_q);
+  const TileRange t = visible_tiles<int64_t>(row0, row_end, p.n_q, p.n_kv, p.window_left,
+                                             p.window_right, tc.block_kv);
+  return {std::min<int64_t>(p.n_kv, int64_t(t.begin) * tc.block_kv),
+          std::min<int64_t>(p.n_kv, int64_t(t.end) * tc.block_kv)};
 }
 
-// fp16 V with a NaN or an infinity (VOperand::nonfinite): the masked keys [visible, loaded)
-// still reach the row through the MMA as 0 times their V, which is NaN for a non-finite V.
-void reach_masked_keys(const sim::VOperand& v, int64_t visible, int64_t loaded, float* O) {
-  for (int64_t j = visible; j < loaded; ++j)
+// fp16 V with a NaN or an infinity (VOperand::nonfinite): the loaded keys row i masks still
+// reach it through the MMA as 0 times their V, which is NaN for a non-finite V.
+void reach_masked_keys(const sim::VOperand& v, KeyRange seen, KeyRange loaded, float* O) {
+  for (int64_t j = loaded.begin; j < loaded.end; ++j) {
+    if (j >= seen.begin && j < seen.end) continue;
     for (int64_t c = 0; c < v.d; ++c)
       if (!std::isfinite(v.values[j * v.d + c])) O[c] = std::numeric_limits<float>::quiet_NaN();
+  }
 }
 
 // Steps 4-11 for every row of query head bh, into f.out, f.lse and f.lse2.
@@ -247,21 +255,22 @@ void attend_head(const AttentionArgs& args, const RowPlan& pl, const QHead& qh, 
   std::vector<float> O(static_cast<size_t>(d));
   std::vector<float> ds;  // smooth_q: the logit bias of the current Q tile, per key
   int64_t ds_tile = -1;
+  const KeyWindow window{p.window_left, p.window_right};
   for (int64_t i = 0; i < nq; ++i) {
-    // Bottom-right causal alignment: query i sees keys j <= i + nkv - nq.
-    const int64_t visible = args.causal ? std::clamp<int64_t>(i + nkv - nq + 1, 0, nkv) : nkv;
-    if (visible == 0) continue;  // out stays 0, lse -inf
+    // Step 5 (numerics/mask.h): the keys row i sees, one interval.
+    const KeyRange keys = visible_keys(i, nq, nkv, window);
+    if (keys.empty()) continue;  // out stays 0, lse -inf
     if (r.smooth_q && q_smooth_block_of(i, tc) != ds_tile) {
       ds_tile = q_smooth_block_of(i, tc);
       ds = sim::smooth_q_logit_bias(qh.q_mean.data() + ds_tile * d, kvh.k, pl.sl2);
     }
     sim::RowState st;
     std::fill(O.begin(), O.end(), 0.f);
-    for (int64_t j0 = 0; j0 < visible; j0 += tc.block_kv)
-      attend_tile(pl, qh.op, i, kvh, ds.data(), j0, std::min<int64_t>(tc.block_kv, visible - j0),
-                  st, O.data(), x);
-    if (kvh.v.nonfinite && visible < nkv)
-      reach_masked_keys(kvh.v, visible, keys_loaded(args.causal, i, nq, nkv, tc), O.data());
+    // The tiles the row's keys lie in; the kernel's other tiles hold no key of the row.
+    for (int64_t j0 = keys.begin / tc.block_kv * tc.block_kv; j0 < keys.end; j0 += tc.block_kv)
+      attend_tile(pl, qh.op, i, kvh, ds.data(), j0, std::min<int64_t>(tc.block_kv, keys.end - j0),
+                  std::max<int64_t>(0, keys.begin - j0), st, O.data(), x);
+    if (kvh.v.nonfinite) reach_masked_keys(kvh.v, keys, keys_loaded(p, i, tc), O.data());
     finish_row(pl, kvh, st, O.data(), d, f.out.data() + (bh * nq + i) * d);
     // K smoothing shifted every logit of this row by -sm_scale * q_i . mean(K); softmax
     // ignores that, the LSE must not.

@@ -109,7 +109,9 @@ std::string GpuCase::describe() const {
      << (prequantized() ? std::string("i8->") : std::string()) << dtype_name(dtype) << " "
      << layout_name(layout) << (strided ? " strided" : "") << " B" << batch << " Hq" << heads_q
      << " Hkv" << heads_kv << " Nq" << n_q << " Nkv" << n_kv << " D" << head_dim
-     << (causal ? " causal" : "") << (with_lse ? "" : " no-lse") << " " << distribution << " seed"
+     << (causal ? " causal" : "");
+  if (window_left >= 0 || window_right >= 0) os << " window(" << window_left << "," << window_right << ")";
+  os << (with_lse ? "" : " no-lse") << " " << distribution << " seed"
      << seed;
   if (magnitude > 0.f) os << " magnitude " << magnitude << " on " << magnified;
   for (const PlantedValue& p : planted) os << " " << describe_planted(*this, p);
@@ -522,6 +524,7 @@ CaseTensors::CaseTensors(const GpuCase& c) : impl_(std::make_unique<Impl>()) {
     a.q_scale = view(m.q_scale), a.k_scale = view(m.k_scale), a.v_scale = view(m.v_scale);
     a.layout = c.layout;
     a.causal = c.causal;
+    a.window_left = c.window_left, a.window_right = c.window_right;
     a.recipe = c.recipe_options();
   };
   fill_args(m.dev, true);

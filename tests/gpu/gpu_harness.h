@@ -48,6 +48,7 @@ struct PlantedValue {
 struct GpuCase {
   int64_t batch = 1, heads_q = 2, heads_kv = 2, n_q = 128, n_kv = 128, head_dim = 128;
   bool causal = false;
+  int64_t window_left = -1, window_right = -1;  // the sliding window (AttentionArgs)
   DType dtype = DType::f16;  // of q, k, v and out; for prequantized recipes: of out only
   Layout layout = Layout::HND;
   bool strided = false;   // padded row/head/batch strides and a storage offset (scales too)

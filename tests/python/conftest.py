@@ -54,8 +54,9 @@ def rel_l1(a, b):
     return float(np.abs(a - b).sum() / (np.abs(b).sum() + 1e-300))
 
 
-def attention_f64(q, k, v, causal=False, scale=None, layout="HND"):
-    """An independent float64 attention in NumPy (bottom-right causal, GQA by head groups).
+def attention_f64(q, k, v, causal=False, scale=None, layout="HND", window=(-1, -1)):
+    """An independent float64 attention in NumPy (bottom-right causal and sliding window,
+    -1 an unbounded side; GQA by head groups).
 
     Returns (out, lse) with out in the input layout and lse [B, Hq, Nq].
     """
@@ -72,10 +73,13 @@ def attention_f64(q, k, v, causal=False, scale=None, layout="HND"):
     d = q.shape[-1]
     s = np.einsum("bhid,bhjd->bhij", q, k) * (scale if scale is not None else 1.0 / np.sqrt(d))
     nq, nkv = q.shape[2], k.shape[2]
-    if causal:
-        i = np.arange(nq)[:, None]
-        j = np.arange(nkv)[None, :]
-        s = np.where(j <= i + (nkv - nq), s, -np.inf)
+    i = np.arange(nq)[:, None]
+    j = np.arange(nkv)[None, :]
+    left, right = window[0], 0 if causal else window[1]
+    if right >= 0:
+        s = np.where(j <= i + (nkv - nq) + right, s, -np.inf)
+    if left >= 0:
+        s = np.where(j >= i + (nkv - nq) - left, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m)

@@ -46,6 +46,12 @@ def test_wrapper_argument_errors(fn, qkv):
     check("scale", fn, q, k, v, scale=0.0)
     check("scale", fn, q, k, v, scale=float("nan"))
     check("scale", fn, q, k, v, scale=-1)
+    check("window_size", fn, q, k, v, window_size=5)
+    check("window_size", fn, q, k, v, window_size=(1, 2, 3))
+    check("window_size", fn, q, k, v, window_size=(-2, 0))
+    check("window_size", fn, q, k, v, window_size=(4, 1.5))
+    check("window_size", fn, q, k, v, window_size=(True, 0))
+    assert "is_causal" in check("window_size", fn, q, k, v, is_causal=True, window_size=(8, 3))
 
 
 @pytest.mark.parametrize("layout, shape", [("HND", (1, 2, 0, 64)), ("NHD", (1, 0, 2, 64)),
@@ -110,7 +116,14 @@ def test_check_args_reports_the_problem(qkv):
     q, k, v = qkv
     p = sagekit._C.check_args(q, k, v, np.empty(q.shape, np.float32), device="cpu", sm_scale=0.5)
     assert p == {"batch": 1, "heads_q": 4, "heads_kv": 2, "n_q": 64, "n_kv": 64,
-                 "head_dim": 64, "sm_scale": 0.5}
+                 "head_dim": 64, "sm_scale": 0.5, "window_left": -1, "window_right": -1}
+    # The mask as every entry point applies it: causal folded in as window_right = 0, and a
+    # bound that masks no key (left >= n_kv - 1) taken as unbounded.
+    p = sagekit._C.check_args(q, k, v, np.empty(q.shape, np.float32), device="cpu",
+                              causal=True, window_left=63)
+    assert (p["window_left"], p["window_right"]) == (-1, 0)
+    check("window_left", sagekit._C.check_args, q, k, v, np.empty(q.shape, np.float32),
+          device="cpu", window_left=-2)
 
 
 def test_errors_through_memoryview_without_numpy_types():

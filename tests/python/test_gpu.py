@@ -248,17 +248,19 @@ def test_fake_implementation_gives_the_real_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     q, k, v = _qkv(b=2, hq=8, hkv=2, nq=200, nkv=300, d=64, layout="NHD")
-    real_out, real_lse = torch.ops.sagekit.attention(q, k, v, "NHD", False, None, "auto", True,
+    real_out, real_lse = torch.ops.sagekit.attention(q, k, v, "NHD", False, -1, -1, None, "auto", True,
                                                      None, None, None, None)
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
-        out, lse = torch.ops.sagekit.attention(fq, fk, fv, "NHD", False, None, "auto", True,
+        out, lse = torch.ops.sagekit.attention(fq, fk, fv, "NHD", False, -1, -1, None, "auto",
+                                               True,
                                                None, None, None, None)
     assert out.shape == real_out.shape == q.shape and out.dtype == real_out.dtype
     assert out.stride() == real_out.stride()
     assert lse.shape == real_lse.shape == (2, 8, 200) and lse.dtype == torch.float32
     torch.library.opcheck(torch.ops.sagekit.attention.default,
-                          (q, k, v, "NHD", False, None, "auto", True, None, None, None, None),
+                          (q, k, v, "NHD", False, -1, -1, None, "auto", True, None, None, None,
+                           None),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -291,7 +293,7 @@ def test_eager_fast_path_only_where_plain_eager_dispatch_would_run_the_body():
     from sagekit import ops
 
     q, k, v = _qkv(b=1, hq=2, hkv=2, nq=160, nkv=200, seed=13)
-    args = (q, k, v, "HND", True, None, "sage2_8b", True, None, None, None, None)
+    args = (q, k, v, "HND", True, -1, -1, None, "sage2_8b", True, None, None, None, None)
     assert ops.plain_eager(args)
     # The direct body and the dispatched op compute the same thing, bit for bit.
     fast, slow = ops.call_attention(*args), torch.ops.sagekit.attention(*args)
@@ -327,3 +329,80 @@ def test_auto_recipe_on_this_gpu_is_balanced_sage2():
     assert resolve_auto("auto", q.device) == "sage2_8b_balanced"
     # K/V quantized ahead of Q cannot be balanced against it: the two-step path's auto.
     assert resolve_auto("auto", q.device, two_step=True) == "sage2_8b"
+
+
+@pytest.mark.parametrize("d", sagekit.gpu_head_dims())
+@pytest.mark.parametrize("causal, window, nq, nkv", [
+    (True, (256, -1), 700, 700),     # causal with a left window (the long-context shape)
+    (False, (100, 40), 300, 500),    # both bounds, windows smaller than a K/V tile
+    (False, (-1, 10), 500, 300),     # the first rows see no key: 0 and LSE -inf
+    (True, (0, 0), 200, 200)])       # one key per row
+def test_sliding_window_matches_simulate(d, causal, window, nq, nkv):
+    q, k, v = _qkv(b=1, hq=4, hkv=2, nq=nq, nkv=nkv, d=d, seed=21)
+    # sage2_8b rather than "auto": the two steps below compare bits, and auto's one-call recipe
+    # is the balanced one, which the two steps cannot take.
+    out, lse = sagekit.sageattn(q, k, v, is_causal=causal, window_size=window, return_lse=True,
+                                recipe="sage2_8b")
+    sim, sim_lse = sagekit.simulate(q.cpu(), k.cpu(), v.cpu(), is_causal=causal,
+                                    window_size=window, return_lse=True, recipe="sage2_8b")
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    masked = torch.isneginf(sim_lse)
+    assert torch.equal(torch.isneginf(lse.cpu()), masked)
+    assert torch.all(out.cpu()[masked] == 0)
+    assert cosine(_np(out), sim.numpy()) > 0.9999
+    assert rel_l1(_np(out), sim.numpy()) < 0.01
+    _close(lse.cpu()[~masked], sim_lse[~masked], atol=1e-2, rtol=1e-3)
+    # The two steps take the same window, with the same bits.
+    kv = sagekit.quantize_kv(k, v)
+    two = sagekit.sageattn_quantized_kv(q, kv, is_causal=causal, window_size=window)
+    torch.testing.assert_close(two, out, atol=0, rtol=0)
+
+
+def test_window_covering_every_key_is_no_window_and_causal_is_minus_one_zero():
+    q, k, v = _qkv(b=1, hq=4, hkv=2, nq=384, nkv=512, seed=22)
+    torch.testing.assert_close(sagekit.sageattn(q, k, v, window_size=(511, 383)),
+                               sagekit.sageattn(q, k, v), atol=0, rtol=0)
+    torch.testing.assert_close(sagekit.sageattn(q, k, v, window_size=(-1, 0)),
+                               sagekit.sageattn(q, k, v, is_causal=True), atol=0, rtol=0)
+
+
+def check_argument(argument, fn, *args, **kwargs):
+    with pytest.raises(sagekit.ArgumentError) as info:
+        fn(*args, **kwargs)
+    assert info.value.argument == argument, str(info.value)
+
+
+def test_window_errors_name_window_size():
+    q, k, v = _qkv(b=1, hq=2, hkv=2, nq=128, nkv=128, seed=23)
+    check_argument("window_size", sagekit.sageattn, q, k, v, window_size=(-3, 0))
+    check_argument("window_size", sagekit.sageattn, q, k, v, window_size=(2,))
+    check_argument("window_size", sagekit.sageattn, q, k, v, is_causal=True, window_size=(64, 8))
+    kv = sagekit.quantize_kv(k, v)
+    check_argument("window_size", sagekit.sageattn_quantized_kv, q, kv, window_size=(0.5, 0))
+    # At the op level the library names its own arguments.
+    check_argument("window_left", torch.ops.sagekit.attention, q, k, v, "HND", False, -4, -1,
+                   None, "auto", False, None, None, None, None)
+
+
+def test_sliding_window_in_cuda_graphs_and_torch_compile():
+    torch._dynamo.reset()
+    q, k, v = _qkv(b=1, hq=8, hkv=2, nq=1024, nkv=1024, seed=24)
+
+    def block(q, k, v):
+        return sagekit.sageattn(q * 1.0, k, v, is_causal=True, window_size=(300, 0)).float().sum(-1)
+
+    compiled = torch.compile(block, fullgraph=True)  # raises on any graph break
+    torch.testing.assert_close(compiled(q, k, v), block(q, k, v), atol=1e-2, rtol=1e-3)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        sagekit.sageattn(q, k, v, window_size=(300, 0))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sagekit.sageattn(q, k, v, window_size=(300, 0))
+    nq, nk, nv = _qkv(b=1, hq=8, hkv=2, nq=1024, nkv=1024, seed=25)
+    q.copy_(nq), k.copy_(nk), v.copy_(nv)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, sagekit.sageattn(nq, nk, nv, window_size=(300, 0)), atol=0, rtol=0)

@@ -86,7 +86,8 @@ def test_fake_implementations_give_shapes_without_a_gpu(layout, return_lse):
         k = torch.empty(shape(hkv, nkv), device="cuda", dtype=torch.bfloat16)
         workspace = torch.ops.sagekit.quantize_kv(k, k, layout, "auto", None, None)
         out, lse = torch.ops.sagekit.attention_from_quantized_kv(
-            q, k, k, workspace, layout, True, None, "auto", return_lse, None, None, None, None)
+            q, k, k, workspace, layout, True, -1, -1, None, "auto", return_lse, None, None, None,
+            None)
     assert workspace.dtype == torch.uint8 and workspace.dim() == 1
     assert workspace.device.type == "cuda"
     if sagekit.cuda_built:
@@ -258,7 +259,7 @@ def test_two_step_fake_implementations_match_the_real_ops():
     q, k, v = _qkv(b=2, hq=8, hkv=2, nq=200, nkv=300, d=64, layout="NHD")
     qkv_args = ("NHD", "sage2_8b", None, None)
     workspace = torch.ops.sagekit.quantize_kv(k, v, *qkv_args)
-    attn_args = ("NHD", True, None, "sage2_8b", True, None, None, None, None)
+    attn_args = ("NHD", True, -1, -1, None, "sage2_8b", True, None, None, None, None)
     out, lse = torch.ops.sagekit.attention_from_quantized_kv(q, k, v, workspace, *attn_args)
     with FakeTensorMode() as mode:
         fq, fk, fv = (mode.from_tensor(x) for x in (q, k, v))
@@ -313,7 +314,7 @@ def test_two_step_argument_errors_on_the_gpu():
     assert info.value.argument.startswith("recipe")
     assert sagekit.gpu_supports("sage2_8b") and not sagekit.gpu_supports("sage3_fp4")
     # At the op level: a workspace too small for these K/V is refused by name.
-    args = ("HND", False, None, "auto", False, None, None, None, None)
+    args = ("HND", False, -1, -1, None, "auto", False, None, None, None, None)
     check("workspace", torch.ops.sagekit.attention_from_quantized_kv, q, k, v,
           kv.workspace[:256], *args)
     # K/V longer than the ones quantized would need a larger workspace.

@@ -33,6 +33,33 @@ def test_exact_scale_and_rows_without_keys():
     np.testing.assert_allclose(lse[:, :, 10:], ref_lse[:, :, 10:], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("causal, window", [(False, (16, 4)), (False, (-1, 0)), (True, (20, -1)),
+                                             (False, (5, -1)), (True, (0, 0))])
+def test_exact_and_simulate_with_a_sliding_window(causal, window):
+    # n_q 70 > n_kv 50 + right 4: the first rows see no key under a right bound.
+    q, k, v = random_qkv((1, 4, 70, 64), (1, 2, 50, 64), seed=3)
+    out, lse = sagekit.exact(q, k, v, is_causal=causal, window_size=window, return_lse=True)
+    ref_out, ref_lse = attention_f64(q, k, v, causal=causal, window=window)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+    sim, sim_lse = sagekit.simulate(q, k, v, is_causal=causal, window_size=window, return_lse=True)
+    assert not np.isnan(sim).any() and not np.isnan(sim_lse).any()
+    assert np.array_equal(np.isneginf(sim_lse), np.isneginf(ref_lse))
+    assert np.all(sim[np.broadcast_to(~finite[..., None], sim.shape)] == 0)
+    assert cosine(sim, ref_out) > 0.999
+
+
+def test_simulate_window_equivalences():
+    q, k, v = random_qkv((1, 2, 200, 64), (1, 2, 260, 64), seed=4)
+    # A window covering every key is no window; causal is the window (-1, 0): bit for bit.
+    np.testing.assert_array_equal(sagekit.simulate(q, k, v),
+                                  sagekit.simulate(q, k, v, window_size=(259, 199)))
+    np.testing.assert_array_equal(sagekit.simulate(q, k, v, is_causal=True),
+                                  sagekit.simulate(q, k, v, window_size=(-1, 0)))
+
+
 # INT4 Q/K on Gaussian data is the coarsest of these (the SageAttention2 paper reports its
 # 4-bit variant a step below the 8-bit ones as well).
 @pytest.mark.parametrize("recipe, min_cos, max_l1", [

@@ -48,7 +48,8 @@ __device__ __forceinline__ ConsumerItem consumer_item(const AttentionParams& p, 
   const WorkItem item = work_item(p, w);
   c.h = item.h, c.b = item.b, c.hk = item.h / group_size;
   c.q0 = item.q_tile * K::kBlockQ;
-  c.n_tiles = mask.template kv_tiles<K::kBlockQ>(c.q0);
+  const KvTiles tiles = mask.template kv_tiles<K::kBlockQ, K::kLeftWindow>(c.q0);
+  c.kv_begin = tiles.begin, c.kv_end = tiles.end;
   c.wg_row0 = c.q0 + 64 * c.cw;
   c.rows[0] = c.wg_row0 + 16 * c.warp + c.g;
   c.rows[1] = c.wg_row0 + 16 * c.warp + c.g + 8;

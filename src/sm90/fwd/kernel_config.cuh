@@ -14,8 +14,13 @@ namespace sage::sm90 {
 // KS: the K scale policy. SmoothQ: Q smoothing's per-tile dS work; a compile-time choice
 // because as a run-time branch it slowed the recipes without it (v6-v7). WithQStage: the
 // instantiation with the Q stage (q_stage.cuh), a second one because its code slowed the
-// kernel where the stage is not used (v23). Both in docs/history/README.md.
-template <int D_, class T_, PVPath Path_, KScales KS_, bool SmoothQ_, bool WithQStage_>
+// kernel where the stage is not used (v23). Both in docs/history/README.md. LeftWindow: the
+// instantiation for launches with a left window bound (mask.cuh), whose items start past K/V
+// tile 0 and mask their first tiles from below; a second one because in the kernel without it
+// the run-time first tile and the second limit made ptxas spill (d = 64, and d = 128 with Q
+// smoothing or per-token K scales), where every other launch keeps the code it had.
+template <int D_, class T_, PVPath Path_, KScales KS_, bool SmoothQ_, bool WithQStage_,
+          bool LeftWindow_ = false>
 struct KernelConfig {
   static constexpr int D = D_;
   using T = T_;
@@ -24,6 +29,8 @@ struct KernelConfig {
   static constexpr bool kSmoothQ = SmoothQ_;
   static constexpr bool kQStage = WithQStage_;
   static_assert(!kQStage || q_stage_capable(kPath, kSmoothQ), "no Q stage in this variant");
+  static constexpr bool kLeftWindow = LeftWindow_;
+  static_assert(!(kQStage && kLeftWindow), "the left-window instantiation has no Q stage");
 
   static constexpr KernelTraits kTraits = kernel_traits(D, Variant{kPath, kKScales, kSmoothQ});
   static constexpr int kBlockQ = kTraits.block_q;

@@ -27,10 +27,13 @@ void launch_attention_kernel(const AttentionParams& p, const AttentionMaps& maps
   kernel<<<dim3(unsigned(p.work.ctas)), K::kThreads, smem, stream>>>(maps.k, maps.v, maps.q, p);
 }
 
-// p.q_stage picks the instantiation with the Q stage (the dispatch sets it only where
+// A left window bound picks the instantiation that has it (kernel_config.cuh, kLeftWindow;
+// the dispatch then takes no Q stage); p.q_stage the one with the Q stage (set only where
 // q_stage_capable holds).
 template <int D, class T, PVPath Path, KScales KS, bool SmoothQ>
 void launch_attention(const AttentionParams& p, const AttentionMaps& maps, cudaStream_t stream) {
+  if (p.window_left >= 0)
+    return launch_attention_kernel<KernelConfig<D, T, Path, KS, SmoothQ, false, true>>(p, maps, stream);
   if constexpr (q_stage_capable(Path, SmoothQ)) {
     if (p.q_stage)
       return launch_attention_kernel<KernelConfig<D, T, Path, KS, SmoothQ, true>>(p, maps, stream);

@@ -21,7 +21,8 @@ namespace sage::sm90 {
 // A consumer thread's place in the CTA, and the work item as it sees it.
 struct ConsumerItem {
   int cw, warp, lane, g, t;  // consumer warpgroup, warp in it, lane, its MMA row group and quad
-  int h, b, hk, q0, wg_row0, n_tiles;
+  int h, b, hk, q0, wg_row0;
+  int kv_begin, kv_end;  // the item's K/V tiles [kv_begin, kv_end) (Mask::kv_tiles)
   int rows[2];  // the thread's two Q rows
   int64_t kv_head;
 };
@@ -69,10 +70,13 @@ struct Mainloop {
     // compiler rebuilt it in ordinary ones and moved it across for every MMA (SASS).
     q_desc = smem_desc_lo(s.q[qbuf][0]) +
              uint32_t(__shfl_sync(0xffffffffu, it_item.cw, 0)) * (sizeof(s.q[0][0]) / 16);
+    // Without a left window every item starts at tile 0: a constant first tile (as a run-time
+    // index it made ptxas spill; kernel_config.cuh, kLeftWindow).
+    const int begin = K::kLeftWindow ? it_item.kv_begin : 0;
     if constexpr (K::kOverlapPV) {
-      run_pipelined(it_item.n_tiles);
+      run_pipelined(begin, it_item.kv_end);
     } else {
-      run_one_tile_at_a_time(it_item.n_tiles);
+      run_one_tile_at_a_time(begin, it_item.kv_end);
     }
   }
 
@@ -117,7 +121,8 @@ struct Mainloop {
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) sc[i] = __fadd_rn(sc[i], bias[frag::acc_col(i, item->t)]);
     }
-    if (mask.tile_needs_mask(it, item->wg_row0)) mask.apply(it, item->rows, item->t, sc);
+    if (mask.template tile_needs_mask<K::kLeftWindow>(it, item->wg_row0))
+      mask.template apply<K::kLeftWindow>(it, item->rows, item->t, sc);
   }
 
   // The tile's P~ * p_max (in sc), the rescale of earlier output and the row sums, from its
@@ -129,8 +134,8 @@ struct Mainloop {
     if constexpr (K::kIntegerMax) {
       const float ks_tile = K::KScale::tile_scale(k_scale, it, item->t);
       const float mult = rules::score_multiplier(q_scale[0], ks_tile, p.sm_scale_log2);
-      const bool masked = mask.tile_needs_mask(it, item->wg_row0);
-      if (masked) mask.apply(it, item->rows, item->t, sacc);
+      const bool masked = mask.template tile_needs_mask<K::kLeftWindow>(it, item->wg_row0);
+      if (masked) mask.template apply<K::kLeftWindow>(it, item->rows, item->t, sacc);
       softmax.template update_from_int<K::kPScaleMode, !K::kRowSumInMma>(
           sacc, mult, masked, p.p_max, p.p_fold_k, p.p_fold_mult_limit, sc, alpha, p_sum);
     } else {
@@ -163,9 +168,10 @@ struct Mainloop {
     if (item->lane == 0) mbar_arrive(&s.empty[stage]);
   }
 
-  // QK, softmax, PV, one tile after the other.
-  __device__ __forceinline__ void run_one_tile_at_a_time(int n_tiles) {
-    for (int it = 0; it < n_tiles; ++it, ring.advance()) {
+  // QK, softmax, PV, one tile after the other. Tiles are numbered from the head's first key
+  // (K scales, the mask), so a window's item starts past 0.
+  __device__ __forceinline__ void run_one_tile_at_a_time(int begin, int end) {
+    for (int it = begin; it < end; ++it, ring.advance()) {
       const int stage = ring.stage;
       mbar_wait(&s.full[stage], ring.phase);
       issue_qk(stage);
@@ -182,22 +188,22 @@ struct Mainloop {
     }
   }
 
-  __device__ __forceinline__ void run_pipelined(int n_tiles) {
-    if (n_tiles == 0) return;
-    pipeline_first_tile();
-    for (int it = 1; it < n_tiles; ++it) pipeline_tile(it);
+  __device__ __forceinline__ void run_pipelined(int begin, int end) {
+    if (end <= begin) return;
+    pipeline_first_tile(begin);
+    for (int it = begin + 1; it < end; ++it) pipeline_tile(it);
     pipeline_drain();
   }
 
-  // Tile 0: QK and softmax; its PV MMA goes with tile 1's QK.
-  __device__ __forceinline__ void pipeline_first_tile() {
+  // The item's first tile: QK and softmax; its PV MMA goes with the next tile's QK.
+  __device__ __forceinline__ void pipeline_first_tile(int it) {
     mbar_wait(&s.full[ring.stage], ring.phase);
     issue_qk(ring.stage);
-    if constexpr (K::kSmoothQ) compute_key_bias(0, ring.stage);
+    if constexpr (K::kSmoothQ) compute_key_bias(it, ring.stage);
     wgmma_wait<0>();
     reg_fence(sacc);
     float sc[kAcc], p_sum[2];
-    tile_to_p(0, sc, alpha_pending, p_sum);
+    tile_to_p(it, sc, alpha_pending, p_sum);
     pack_p(sc, alpha_pending, p_sum);
   }
 

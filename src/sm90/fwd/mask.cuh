@@ -1,74 +1,108 @@
-// Which keys each Q row sees: no mask, or causal aligned bottom-right (row i sees keys
-// j <= i + n_kv - n_q, FlashAttention's convention for n_q != n_kv). A sliding window is one
-// more pair of limits here: kv_tiles would then also give a first tile, and limits a lower
-// bound. Keys past n_kv are masked in every case (the last tile's padding).
+// Which keys each Q row sees (numerics/mask.h, docs/numerics.md step 5): none masked, or a
+// window aligned bottom-right, row i seeing keys i + off - left .. i + off + right with
+// off = n_kv - n_q and -1 an unbounded side; causal is right = 0 (the dispatch folds it in and
+// normalizes the bounds: AttentionParams::window_left/right). Keys past n_kv are masked in
+// every case (the last tile's padding).
+//
+// The window decides which K/V tiles an item visits at all (kv_tiles: the producer loads and
+// the mainloop computes only those), and inside a visited tile which entries are masked
+// (apply, only on tiles that tile_needs_mask: every other tile runs the loop unmasked).
 #pragma once
 
 #include <climits>
 #include <cmath>
 
+#include "numerics/mask.h"
 #include "sm90/fwd/params.h"
 #include "sm90/mma/fragment.cuh"
 
 namespace sage::sm90 {
 
+// The K/V tiles [begin, end) of one work item.
+struct KvTiles {
+  int begin, end;
+};
+
 // The lengths come from the parameter block at each use rather than from copies: kept in
 // registers through the K/V loop, copies cost the loop's register budget (SASS).
 struct Mask {
   const AttentionParams& p;
-  int causal_offset;  // n_kv - n_q
+  int diagonal;  // n_kv - n_q: row i's own key under bottom-right alignment
 
   __device__ __forceinline__ explicit Mask(const AttentionParams& p_)
-      : p(p_), causal_offset(p_.n_kv - p_.n_q) {}
+      : p(p_), diagonal(p_.n_kv - p_.n_q) {}
 
-  // How many K/V tiles the Q tile of BlockQ rows starting at q0 needs (the last one partly).
-  template <int BlockQ>
-  __device__ __forceinline__ int kv_tiles(int q0) const {
-    const int all = (p.n_kv + kBlockKV - 1) / kBlockKV;
-    if (!p.causal) return all;
-    const int last_row = min(q0 + BlockQ, p.n_q) - 1;
-    const int last_key = last_row + p.n_kv - p.n_q;
-    if (last_key < 0) return 0;
-    return min(all, last_key / kBlockKV + 1);
+  // The K/V tiles the Q tile of BlockQ rows starting at q0 visits: from the tile of its first
+  // row's first key to the tile of its last row's last key (the last one partly). kLeft: the
+  // launch has a left window (kernel_config.cuh, kLeftWindow); without one the first is 0.
+  template <int BlockQ, bool kLeft>
+  __device__ __forceinline__ KvTiles kv_tiles(int q0) const {
+    const int row_end = min(q0 + BlockQ, p.n_q);
+    if constexpr (kLeft) {
+      const TileRange r = visible_tiles<int>(q0, row_end, p.n_q, p.n_kv, p.window_left,
+                                             p.window_right, kBlockKV);
+      return {r.begin, r.end};
+    } else {
+      const int end_key = end_visible_key<int>(row_end - 1, p.n_q, p.n_kv, p.window_right);
+      return {0, (end_key + kBlockKV - 1) / kBlockKV};
+    }
   }
 
-  // Whether any entry of tile it may be masked for the 64 rows from row0.
+  // Whether any entry of tile it may be masked for the 64 rows from row0: the tile reaches
+  // past n_kv, past row0's last key, or (kLeft: the launch has a left window) before
+  // row0 + 63's first key.
+  template <bool kLeft>
   __device__ __forceinline__ bool tile_needs_mask(int it, int row0) const {
     const int kv0 = it * kBlockKV;
-    return kv0 + kBlockKV > p.n_kv || (p.causal && kv0 + kBlockKV - 1 > row0 + causal_offset);
+    return kv0 + kBlockKV > p.n_kv ||
+           (p.window_right >= 0 && kv0 + kBlockKV - 1 > row0 + diagonal + p.window_right) ||
+           (kLeft && kv0 < row0 + 63 + diagonal - p.window_left);
   }
 
   // Entry i of tile it is masked iff its column offset from this thread's first column,
-  // 8 (i / 4) + i % 2 (a constant once unrolled), reaches the row's limit: one compare per
-  // entry against two registers. (Column and row tests per entry made the INT32 mask pass of
-  // the integer row max spill, ptxas, d = 128.)
-  __device__ __forceinline__ void limits(int it, const int (&rows)[2], int t, int (&limit)[2]) const {
+  // 8 (i / 4) + i % 2 (a constant once unrolled), reaches the row's end limit or (kLeft) lies
+  // below its begin limit: one compare per entry against two registers per limit. (Column
+  // and row tests per entry made the INT32 mask pass of the integer row max spill, ptxas,
+  // d = 128.)
+  __device__ __forceinline__ void end_limits(int it, const int (&rows)[2], int t, int (&limit)[2]) const {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int first_masked = p.causal ? min(p.n_kv, rows[r] + causal_offset + 1) : p.n_kv;
-      limit[r] = first_masked - (it * kBlockKV + 2 * t);
+      const int end_key = p.window_right >= 0 ? min(p.n_kv, rows[r] + diagonal + p.window_right + 1) : p.n_kv;
+      limit[r] = end_key - (it * kBlockKV + 2 * t);
     }
   }
-  __device__ __forceinline__ static bool is_masked(const int (&limit)[2], int i) {
-    return 8 * (i / 4) + i % 2 >= limit[frag::acc_row(i)];
+  __device__ __forceinline__ void begin_limits(int it, const int (&rows)[2], int t, int (&limit)[2]) const {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) limit[r] = rows[r] + diagonal - p.window_left - (it * kBlockKV + 2 * t);
   }
+  __device__ __forceinline__ static constexpr int column(int i) { return 8 * (i / 4) + i % 2; }
 
-  // Masked entries of a tile's logits to -inf, or of its integer scores to INT32_MIN.
-  template <int N>
-  __device__ __forceinline__ void apply(int it, const int (&rows)[2], int t, float (&sc)[N]) const {
-    int limit[2];
-    limits(it, rows, t, limit);
+  // Masked entries of a tile's logits to -inf, or of its integer scores to INT32_MIN. The two
+  // limits one after the other, so that only two of them are held at a time.
+  template <bool kLeft, int N, class V>
+  __device__ __forceinline__ void apply(int it, const int (&rows)[2], int t, V (&acc)[N], V masked) const {
+    {
+      int end[2];
+      end_limits(it, rows, t, end);
 #pragma unroll
-    for (int i = 0; i < N; ++i)
-      if (is_masked(limit, i)) sc[i] = -INFINITY;
+      for (int i = 0; i < N; ++i)
+        if (column(i) >= end[frag::acc_row(i)]) acc[i] = masked;
+    }
+    if constexpr (kLeft) {
+      int begin[2];
+      begin_limits(it, rows, t, begin);
+#pragma unroll
+      for (int i = 0; i < N; ++i)
+        if (column(i) < begin[frag::acc_row(i)]) acc[i] = masked;
+    }
   }
-  template <int N>
+  template <bool kLeft, int N>
+  __device__ __forceinline__ void apply(int it, const int (&rows)[2], int t, float (&sc)[N]) const {
+    apply<kLeft>(it, rows, t, sc, -INFINITY);
+  }
+  template <bool kLeft, int N>
   __device__ __forceinline__ void apply(int it, const int (&rows)[2], int t, int32_t (&acc)[N]) const {
-    int limit[2];
-    limits(it, rows, t, limit);
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-      if (is_masked(limit, i)) acc[i] = INT32_MIN;
+    apply<kLeft>(it, rows, t, acc, int32_t(INT32_MIN));
   }
 };
 

@@ -38,7 +38,10 @@ struct AttentionParams {
   float p_fold_k, p_fold_mult_limit;
   Granularity q_granularity;
   int q_max;  // the largest Q code: 127 (int8) or 7 (int4 values)
-  bool causal, smooth_k, smooth_v;
+  // Causal or a right window bound: items carry more K/V tiles along the diagonal, which the
+  // scheduler orders by (tile_scheduler.h). The mask itself is window_left/right below.
+  bool causal;
+  bool smooth_k, smooth_v;
   bool smooth_q;           // subtract the Q tile's mean, add dS = mean(Q) K^T back per key
   bool quantized_row_sum;  // int8 P: the softmax denominator sums the quantized P
   // Prequantized Q (int8 codes in q) with per-token scales [B, Hq, n_q]; null otherwise.
@@ -56,6 +59,9 @@ struct AttentionParams {
   // bytes split 64-bit constant loads of later field pairs in two and moved ptxas's K/V loop
   // schedule (SASS).
   WorkSchedule work;
+  // The keys each row sees (mask.cuh): Problem's normalized window, causal folded in as
+  // window_right = 0; -1 unbounded. After the schedule, so that no earlier field moves.
+  int window_left, window_right;
 };
 
 }  // namespace sage::sm90

@@ -33,8 +33,9 @@ struct Producer {
       const int k_row0 = seq.k_row0(item.b, hk);
       const int v_row0 = seq.template v_row0<D>(item.b, hk);
       const Mask mask(p);
-      const int n_tiles = mask.template kv_tiles<K::kBlockQ>(item.q_tile * K::kBlockQ);
-      for (int it = 0; it < n_tiles; ++it, ++fill) {
+      // Only the tiles the item's rows see: a window's others are never loaded.
+      const KvTiles tiles = mask.template kv_tiles<K::kBlockQ, K::kLeftWindow>(item.q_tile * K::kBlockQ);
+      for (int it = tiles.begin; it < tiles.end; ++it, ++fill) {
         const int stage = fill % K::kStages;
         mbar_wait(&s.empty[stage], ((fill / K::kStages) & 1) ^ 1);
         mbar_expect_tx(&s.full[stage], kStageBytes);

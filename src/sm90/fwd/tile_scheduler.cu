@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <atomic>
 
+#include "numerics/mask.h"
+#include "numerics/tile.h"
 #include "sage/error.h"
 #include "sm90/fwd/tma_maps.h"
 
@@ -28,10 +30,21 @@ std::atomic<WorkOrderOverride> g_order_override{WorkOrderOverride::automatic};
 std::atomic<QStageOverride> g_q_stage_override{QStageOverride::automatic};
 std::atomic<int64_t> g_q_stage_launches{0};
 
-// K/V tiles of an average work item: all of them, or about half under a causal mask.
-int average_item_tiles(const AttentionParams& p) {
+// K/V tiles of an average work item: all of them, or about half under a causal mask; under
+// a window, the mean of what its items visit (Mask::kv_tiles), so that the choices below
+// follow the window rather than N.
+int average_item_tiles(const AttentionParams& p, int head_dim) {
   const int kv_tiles = (p.n_kv + kBlockKV - 1) / kBlockKV;
-  return std::max(1, p.causal ? (kv_tiles + 1) / 2 : kv_tiles);
+  if (p.window_left < 0 && p.window_right <= 0)
+    return std::max(1, p.causal ? (kv_tiles + 1) / 2 : kv_tiles);
+  const int block_q = tile_config(head_dim).block_q;
+  int64_t tiles = 0;
+  for (int q0 = 0; q0 < p.n_q; q0 += block_q) {
+    const TileRange r = visible_tiles<int>(q0, std::min(q0 + block_q, p.n_q), p.n_q, p.n_kv,
+                                           p.window_left, p.window_right, kBlockKV);
+    tiles += r.end - r.begin;
+  }
+  return int(std::max<int64_t>(1, tiles / std::max(1, p.n_q_tiles)));
 }
 
 int cta_tiles_target(bool causal) { return causal ? kDefaultCausalCtaTiles : kDefaultCtaTiles; }
@@ -62,11 +75,11 @@ constexpr int kStridedCausalMaxTiles128 = 16;
 constexpr int kStridedCausalMinTiles64 = 5;
 
 // Items per CTA in the consecutive and grouped orders.
-int chunked_items_per_cta(const AttentionParams& p) {
+int chunked_items_per_cta(const AttentionParams& p, int head_dim) {
   if (const int forced = g_items_override.load(); forced > 0) return forced;
   const int target = cta_tiles_target(p.causal);
   const int64_t items = int64_t(p.n_q_tiles) * p.heads_q * p.batch;
-  const int per_item = average_item_tiles(p);
+  const int per_item = average_item_tiles(p, head_dim);
   const int64_t by_tiles = std::max(1, target / per_item);
   const int64_t by_waves = std::max<int64_t>(1, items / (int64_t(kMinWaves) * sm_count()));
   return int(std::min(by_tiles, by_waves));
@@ -89,7 +102,7 @@ bool chunked_grouped(const AttentionParams& p, int per_cta, int head_dim, int v_
 // its units, run to the end with no dynamic scheduling, leave an uneven last round: causal
 // launches with long items at d = 128 and the shortest at d = 64 keep the chunked orders (v28).
 WorkOrder automatic_order(const AttentionParams& p, int per_cta, int head_dim, int v_bytes) {
-  const int tiles = average_item_tiles(p);
+  const int tiles = average_item_tiles(p, head_dim);
   const bool chunked_wins =
       p.causal && (head_dim <= 64 ? tiles < kStridedCausalMinTiles64 : tiles > kStridedCausalMaxTiles128);
   if (!chunked_wins) return WorkOrder::strided;
@@ -103,7 +116,7 @@ WorkSchedule work_schedule(const AttentionParams& p, int head_dim, int v_bytes) 
   s.n_q_tiles = p.n_q_tiles;
   s.head_batches = p.heads_q * p.batch;
   s.causal = p.causal;
-  const int per_cta = chunked_items_per_cta(p);
+  const int per_cta = chunked_items_per_cta(p, head_dim);
   switch (g_order_override.load()) {
     case WorkOrderOverride::consecutive: s.order = WorkOrder::consecutive; break;
     case WorkOrderOverride::grouped: s.order = WorkOrder::grouped; break;
@@ -139,9 +152,11 @@ constexpr int kQStageMaxItemTiles64 = 8;
 
 bool use_q_stage(const AttentionParams& p, bool capable, int head_dim) {
   const bool short_items =
-      average_item_tiles(p) <= (head_dim <= 64 ? kQStageMaxItemTiles64 : kQStageMaxItemTiles128);
+      average_item_tiles(p, head_dim) <= (head_dim <= 64 ? kQStageMaxItemTiles64 : kQStageMaxItemTiles128);
   // One item per CTA leaves the stage nothing to do (it starts at a CTA's second item).
-  const bool possible = capable && items_per_cta(p.work) > 1 && p.q_scale == nullptr && !p.smooth_q &&
+  // The left-window instantiation has no stage (kernel_config.cuh, kLeftWindow).
+  const bool possible = capable && p.window_left < 0 && items_per_cta(p.work) > 1 &&
+                        p.q_scale == nullptr && !p.smooth_q &&
                         (p.q_granularity == Granularity::per_thread ||
                          p.q_granularity == Granularity::per_token) &&
                         !(p.lse != nullptr && p.smooth_k) && q_tma_compatible(p);
