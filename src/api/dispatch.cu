@@ -126,7 +126,8 @@ Dims strides_of(const TensorView& t, Layout layout) {
 }
 
 struct WorkspaceLayout {
-  size_t k, vt, k_scale, k_mean, v_scale, v_mean, v_inv, k_amax, qk_balance, q_amax, total;
+  size_t k, vt, k_scale, k_mean, v_scale, v_mean, v_inv, k_amax, qk_balance, qk_balance_active,
+      q_amax, total;
   int n_pad;
 };
 
@@ -152,6 +153,7 @@ WorkspaceLayout workspace_layout(const Problem& pr, sm90::PVPath path) {
   w.v_inv = take(heads * d * sizeof(float));
   w.k_amax = take(heads * sizeof(float));
   w.qk_balance = take(heads * d * sizeof(float));  // qk_channel_balance only
+  w.qk_balance_active = take(heads * sizeof(int));
   w.q_amax = take(heads * d * sizeof(float));
   w.total = off;
   return w;
@@ -168,6 +170,7 @@ quant::QuantizedKV quantized_kv_at(uint8_t* ws, const WorkspaceLayout& w, const 
   kv.v_inv = reinterpret_cast<float*>(ws + w.v_inv);
   kv.k_amax = reinterpret_cast<float*>(ws + w.k_amax);
   kv.qk_balance = r.qk_channel_balance ? reinterpret_cast<float*>(ws + w.qk_balance) : nullptr;
+  kv.qk_balance_active = r.qk_channel_balance ? reinterpret_cast<int*>(ws + w.qk_balance_active) : nullptr;
   return kv;
 }
 

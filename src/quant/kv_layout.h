@@ -35,8 +35,11 @@ struct QuantizedKV {
   float* v_inv;      // [B, Hkv, D]  v_max / max|V'_c| (the multiplier before encoding)
   float* k_amax;     // [B, Hkv]     max over channels of max|K'_c| (per-tensor K scales)
   // qk_channel_balance: [B, Hkv, D] the power-of-two s_c (K' took * s_c; the attention kernel
-  // divides Q by them); null when the recipe does not balance.
+  // divides Q by them), and [B, Hkv] whether any of a head's s_c is not 1 (where none is, Q is
+  // quantized as without the balance, which divides by 1); both null when the recipe does not
+  // balance.
   float* qk_balance;
+  int* qk_balance_active;
 };
 
 struct KVQuantParams {

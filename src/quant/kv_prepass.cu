@@ -208,6 +208,7 @@ __global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
   sm90::cluster_arrive_release();  // done with the other CTAs' shared memory
   __shared__ float s_warp_amax[2][D / 32];
   float kamax = 0.f, vamax = 0.f;
+  bool balance_moves = false;  // this thread's channel has s_c != 1
   if (c < D) {
     const float km = p.smooth_k ? sum[0] / p.k_mean_samples : 0.f;
     const float vm = p.smooth_v ? sum[1] / p.n_kv : 0.f;
@@ -219,8 +220,11 @@ __global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
     vamax = rules::max_nan(mx[1] - vm, vm - mn[1]);
     p.out.k_mean[head * D + c] = km;
     p.out.v_mean[head * D + c] = vm;
-    if (p.q_amax != nullptr)
-      p.out.qk_balance[head * D + c] = rules::qk_balance_scale(p.q_amax[head * D + c], kamax);
+    if (p.q_amax != nullptr) {
+      const float s = rules::qk_balance_scale(p.q_amax[head * D + c], kamax);
+      p.out.qk_balance[head * D + c] = s;
+      balance_moves = s != 1.f;
+    }
     // The largest over the channels (per-tensor scales) by a shuffle tree: max is exact in
     // any order, and one thread looping over D shared values kept the cluster waiting ~D
     // dependent loads (v20b).
@@ -232,7 +236,10 @@ __global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
     }
     if (c % 32 == 0) s_warp_amax[0][c / 32] = mk, s_warp_amax[1][c / 32] = mv;
   }
-  __syncthreads();
+  // A head whose scales are all 1 is quantized as without the balance: the attention kernel
+  // then skips the division (qk_balance_active).
+  const bool head_moves = __syncthreads_or(balance_moves);
+  if (p.q_amax != nullptr && c == 0) p.out.qk_balance_active[head] = head_moves;
   if (c < D) {
     float all_k = s_warp_amax[0][0], all_v = s_warp_amax[1][0];
 #pragma unroll

@@ -114,7 +114,7 @@ __device__ __forceinline__ void load_q(const AttentionParams& p, typename K::Sto
     qop.dot_kmean[0] = qop.dot_kmean[1] = 0.f;
   } else {
     const float* q_scale_head = p.q_scale ? p.q_scale + c.b * p.qs_stride_b + c.h * p.qs_stride_h : nullptr;
-    const float* balance_head = p.kv.qk_balance ? p.kv.qk_balance + c.kv_head * D : nullptr;
+    const float* balance_head = balance_of_head<D>(p, c.kv_head);
     qop.load(p, q_head_of<K>(p, c.b, c.h), q_scale_head, p.kv.k_mean + c.kv_head * D, balance_head,
              c.rows, min(K::kBlockQ, p.n_q - c.q0), c.lane, 4 * c.cw + c.warp, s.reduce,
              &s.q_sum[0][0], s.q_mean[c.cw], s.q[qbuf][c.cw], p.lse != nullptr && p.smooth_k);

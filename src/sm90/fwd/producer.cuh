@@ -69,8 +69,7 @@ struct Producer {
       // three warps re-issuing try_wait meanwhile would take issue slots from the consumers.
       mbar_wait_sleeping(&s.q_raw_full, (k - 1) & 1);
       if (k >= 2) mbar_wait_sleeping(&s.q_empty[buf], ((k >> 1) - 1) & 1);
-      const float* balance =
-          p.kv.qk_balance ? p.kv.qk_balance + UniformSeqLen{p}.kv_head(item.b, item.h / group_size) * D : nullptr;
+      const float* balance = balance_of_head<D>(p, UniformSeqLen{p}.kv_head(item.b, item.h / group_size));
       Stage::quantize(smem_addr(s.q_raw), smem_addr(s.q[buf][0]), s.q_scale[buf],
                       p.q_granularity == Granularity::per_token, float(p.q_max), balance, stage_thread);
       // The codes are read by the MMA through the async proxy.

@@ -27,6 +27,15 @@
 
 namespace sage::sm90 {
 
+// qk_channel_balance's s_c of a KV head for both Q paths (q_operand.cuh and the stage), or null
+// where the recipe does not balance or the head's scales are all 1: its Q is then quantized
+// as without the balance (the same bits: a division by 1), on the paths other recipes take.
+template <int D>
+__device__ __forceinline__ const float* balance_of_head(const AttentionParams& p, int64_t kv_head) {
+  if (p.kv.qk_balance == nullptr || p.kv.qk_balance_active[kv_head] == 0) return nullptr;
+  return p.kv.qk_balance + kv_head * D;
+}
+
 template <int D, class T>
 struct QStage {
   static constexpr int kBlockQ = sage::sm90::kBlockQ<D>;
