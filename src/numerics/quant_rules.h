@@ -44,15 +44,22 @@ SAGE_HD float min_nan(float a, float b) {
 
 // qk_channel_balance (docs/numerics.md, step 2): channel c's power-of-two scale s_c, from
 // qa = max |Q[.][c]| over the KV head's query heads and ka = max |K'[.][c]| over the keys K's
-// statistics sample. s_c = 2^floor((L + 1) / 2), L = floor(log2(qa / ka)) with the quotient
-// correctly rounded in double, clamped to 2^+-kMaxBalanceExponent; 1 where qa or ka is 0 or
-// not finite. K' takes * s_c and Q / s_c: exact for a power of two, so only the quantizers
-// see it. Host and device compute it with the same double division and integer steps.
+// statistics sample. L = floor(log2(qa / ka)), the quotient correctly rounded in double; a
+// channel whose ranges differ by less than 4x (qa / ka in [1/4, 4): -2 <= L < 2) keeps
+// s_c = 1, any other takes
+// s_c = 2^floor((L + 1) / 2), clamped to 2^+-kMaxBalanceExponent; 1 also where qa or ka is 0
+// or not finite. K' takes * s_c and Q / s_c: exact for a power of two, so only the quantizers
+// see it. Why the 4x: ranges of Q and K' drawn from one distribution differ by up to ~2x by
+// chance alone, and balancing those changed the bits (not the accuracy) of inputs that need
+// nothing; the offsets the balance is for are 10-50x. Host and device compute it with the
+// same double division and integer steps.
 constexpr int kMaxBalanceExponent = 30;
+constexpr int kMinBalanceLog2Ratio = 2;
 SAGE_HD float qk_balance_scale(float qa, float ka) {
   const float kFltMax = 3.402823466e38f;
   if (!(qa > 0.f && ka > 0.f && qa <= kFltMax && ka <= kFltMax)) return 1.f;
   const int l = ilogb(static_cast<double>(qa) / static_cast<double>(ka));
+  if (l >= -kMinBalanceLog2Ratio && l < kMinBalanceLog2Ratio) return 1.f;
   int e = l >= -1 ? (l + 1) / 2 : -((-l) / 2);  // floor((l + 1) / 2) for either sign
   e = e < -kMaxBalanceExponent ? -kMaxBalanceExponent : e > kMaxBalanceExponent ? kMaxBalanceExponent : e;
   return fmt::detail::pow2(e);

@@ -3,10 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "numerics/formats.h"
+#include "numerics/quant_rules.h"
 #include "reference/metrics.h"
 #include "reference/qk_quantize.h"
 #include "reference/synthetic.h"
@@ -160,20 +162,32 @@ TEST(QKChannelBalance, RecoversAccuracyOnChannelOffsets) {
       }
 }
 
-// On inputs without offsets the scales are (nearly) all 1: the balance costs nothing.
-TEST(QKChannelBalance, NoLossOnNormal) {
-  for (int64_t d : {64, 128})
-    for (bool causal : {false, true}) {
-      const SyntheticInputs in = reference::make_synthetic("normal", gqa_shape(d), 0);
-      const std::vector<double> ref = exact(in, causal);
-      const auto error = [&](const Recipe& r) {
-        const SimRun run = simulate(r, in, causal);
-        return reference::compare(run.out.data(), ref.data(), static_cast<int64_t>(ref.size()));
-      };
-      const ErrorStats plain = error(preset("sage2_8b")), bal = error(balanced(preset("sage2_8b")));
-      EXPECT_LE(1 - bal.cosine, (1 - plain.cosine) * 1.02) << "d " << d;
-      EXPECT_LE(bal.rel_l1, plain.rel_l1 * 1.02) << "d " << d;
-    }
+// On inputs without channel offsets no channel's ranges differ by 4x: every s_c is 1 and the
+// balance computes the recipe's own bits (rules::qk_balance_scale), on every distribution
+// whose Q and K channels share one scale, for both head dims, GQA, causal or not.
+TEST(QKChannelBalance, SameBitsWithoutChannelOffsets) {
+  for (const char* dist : {"normal", "k_bias", "sharp", "sink"})
+    for (int64_t d : {64, 128})
+      for (bool causal : {false, true}) {
+        const SyntheticInputs in = reference::make_synthetic(dist, gqa_shape(d), 0);
+        const SimRun plain = simulate(preset("sage2_8b"), in, causal);
+        const SimRun bal = simulate(balanced(preset("sage2_8b")), in, causal);
+        EXPECT_EQ(bal.out, plain.out) << dist << " d " << d << (causal ? " causal" : "");
+        EXPECT_EQ(bal.lse, plain.lse) << dist << " d " << d << (causal ? " causal" : "");
+      }
+}
+
+// And where they do differ, every s_c moved was one whose ranges differ by 4x or more.
+TEST(QKChannelBalance, ScalesMoveOnlyFromAFourfoldRatio) {
+  EXPECT_EQ(rules::qk_balance_scale(3.9f, 1.f), 1.f);
+  EXPECT_EQ(rules::qk_balance_scale(1.f, 4.f), 1.f);     // L = -2
+  EXPECT_EQ(rules::qk_balance_scale(4.f, 1.f), 2.f);     // L = 2: s = 2^1
+  EXPECT_EQ(rules::qk_balance_scale(1.f, 4.1f), 0.5f);   // L = -3: s = 2^-1
+  EXPECT_EQ(rules::qk_balance_scale(64.f, 1.f), 8.f);   // L = 6: s = 2^3, ranges 8 and 8
+  EXPECT_EQ(rules::qk_balance_scale(1.f, 0.f), 1.f);
+  EXPECT_EQ(rules::qk_balance_scale(std::numeric_limits<float>::infinity(), 1.f), 1.f);
+  EXPECT_EQ(rules::qk_balance_scale(std::nanf(""), 1.f), 1.f);
+  EXPECT_EQ(rules::qk_balance_scale(1e30f, 1e-30f), std::ldexp(1.f, rules::kMaxBalanceExponent));
 }
 
 void expect_invalid(const Recipe& r, const std::string& option, const std::string& words) {

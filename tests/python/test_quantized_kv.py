@@ -199,10 +199,10 @@ def test_two_steps_nhd_views_scale_and_auto_recipe():
     packed = torch.randn(b, n, 3, h, d, device="cuda", dtype=torch.bfloat16)
     packed[:, :, 1] += 1.0
     q, k, v = packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]  # strided views, offsets
-    kv = sagekit.quantize_kv(k, v, layout="NHD")
+    kv = sagekit.quantize_kv(k, v, layout="NHD")  # "auto": sage2_8b in the two steps
     for causal in (False, True):
         _same(sagekit.sageattn_quantized_kv(q, kv, is_causal=causal, scale=0.1),
-              sagekit.sageattn(q, k, v, is_causal=causal, scale=0.1, layout="NHD"))
+              sagekit.sageattn(q, k, v, is_causal=causal, scale=0.1, layout="NHD", recipe="sage2_8b"))
 
 
 @needs_gpu
@@ -237,7 +237,7 @@ def test_one_quantization_serves_many_queries():
         qi = _qkv(b=1, hq=8, hkv=2, nq=nq, nkv=8, seed=seed)[0]
         for causal in (False, True):
             _same(sagekit.sageattn_quantized_kv(qi, kv, is_causal=causal),
-                  sagekit.sageattn(qi, k, v, is_causal=causal))
+                  sagekit.sageattn(qi, k, v, is_causal=causal, recipe="sage2_8b"))
     torch.cuda.synchronize()
     assert torch.equal(kv.workspace, before)  # the attention step only reads the workspace
 
@@ -328,7 +328,7 @@ def test_two_steps_run_on_the_current_stream_without_host_sync():
     q, k, v = _qkv(b=1, hq=4, hkv=4, nq=256, nkv=512, seed=10)
     k_new = torch.randn_like(k)
     sagekit.sageattn_quantized_kv(q, sagekit.quantize_kv(k, v))  # warm-up
-    expected = sagekit.sageattn(q, k_new, v)
+    expected = sagekit.sageattn(q, k_new, v, recipe="sage2_8b")  # the two steps' "auto"
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -27,10 +27,17 @@ def test_presets_match_the_papers():
     s2 = by_name["sage2_8b"]
     assert (s2["qk_format"], s2["qk_granularity"], s2["pv_format"], s2["pv_accum"]) == \
         ("int8", "per_thread", "e4m3", "two_level")
-    # K smoothing's mean over every 8th key in the Hopper default only; the papers' every key
-    # elsewhere.
+    # K smoothing's mean over every 8th key in the Hopper default (and the balanced one built
+    # on it) only; the papers' every key elsewhere.
     assert s2["k_mean_stride"] == 8
-    assert all(p["k_mean_stride"] == 1 for p in by_name.values() if p["name"] != "sage2_8b")
+    sampled = ("sage2_8b", "sage2_8b_balanced")
+    assert all(p["k_mean_stride"] == 1 for p in by_name.values() if p["name"] not in sampled)
+    balanced = by_name["sage2_8b_balanced"]
+    assert balanced["qk_channel_balance"] and not any(
+        p["qk_channel_balance"] for p in by_name.values() if p["name"] != "sage2_8b_balanced")
+    own = ("name", "qk_channel_balance", "paper", "summary")
+    assert {k: v for k, v in balanced.items() if k not in own} == \
+        {k: v for k, v in s2.items() if k not in own}
     pp = by_name["sage2pp_8b"]
     assert pp["pv_accum"] == "fp16x2_fp32" and pp["p_range"] == 112.0 and pp["v_range"] == 4.5
     assert by_name["sage3_fp4"]["qk_format"] == "nvfp4"

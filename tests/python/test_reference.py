@@ -76,11 +76,11 @@ def test_simulate_is_close_to_exact(recipe, min_cos, max_l1):
     assert not np.array_equal(sim, ref)
 
 
-def test_simulate_default_and_auto_are_sage2_8b():
+def test_simulate_default_and_auto_are_sage2_8b_balanced():
     q, k, v = random_qkv((1, 2, 128, 64), (1, 2, 128, 64), seed=2)
     a = sagekit.simulate(q, k, v)
     b = sagekit.simulate(q, k, v, recipe="auto")
-    c = sagekit.simulate(q, k, v, recipe={"base": "sage2_8b"})
+    c = sagekit.simulate(q, k, v, recipe={"base": "sage2_8b_balanced"})
     np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(a, c)
 
