@@ -441,9 +441,14 @@ int run_docs(const std::vector<std::string>& args) {
         "and K per channel before quantization, q_c / s_c and k'_c * s_c with s_c a power of two "
         "near sqrt(max|Q_c| / max|K'_c|) per (batch, KV head), the ranges taken over every "
         "k_mean_stride-th token. Exact in math; it recovers the accuracy the presets lose on "
-        "`channel_offset` (issue 35; sage2_8b from cosine 0.994 to 0.9993 at d = 64-128) and "
-        "leaves `normal` within the recipe's own error. It costs a read of the sampled Q tokens "
-        "before the K/V pre-pass, and K quantized ahead of Q (`quantize_kv`) cannot take it. "
+        "`channel_offset` (issue 35; sage2_8b from cosine 0.994 to 0.9993 at d = 64-128). Only "
+        "channels whose Q and K ranges differ by 4x or more move, so inputs without such "
+        "offsets keep the recipe's bits. It costs a read of the sampled Q tokens before the K/V "
+        "pre-pass (0.97x-1.0x of sage2_8b on an H100 where no head moves; 0.82x-0.90x at d = 128, "
+        "N = 1K where every head does, 1.0x from 16K: docs/performance.md), and K quantized ahead "
+        "of Q (`quantize_kv`) cannot take it. Calibration (`sage calibrate`) has "
+        "sage2_8b_balanced among its candidates, so it picks sage2_8b where that is accurate "
+        "enough and faster. "
         "[numerics](numerics.md#2-smoothing-once-per-kv-head-for-k-and-v-once-per-q-tile-for-q) "
         "states its arithmetic; `sage check --qk-channel-balance` measures it on any preset.\n\n";
 
