@@ -38,6 +38,15 @@ const std::vector<std::string>& cpu_only_presets() {
   return names;
 }
 
+std::vector<Variant> variants() {
+  std::vector<Variant> out;
+  for (const std::string& name : gpu_presets()) {
+    out.push_back({name, false});
+    if (preset(name).inputs == Inputs::prequantized_int8) out.push_back({name, true});
+  }
+  return out;
+}
+
 const std::vector<std::string>& gpu_presets() {
   static const std::vector<std::string> names = [] {
     std::vector<std::string> out;

@@ -36,6 +36,14 @@ const std::vector<std::string>& gpu_presets();
 // Presets with no Hopper kernel by design (FP4 needs Blackwell): refused by name.
 const std::vector<std::string>& cpu_only_presets();
 
+// One entry per recipe the GPU must run: every GPU preset, and each prequantized one once more
+// with the per-channel V scale its inputs may carry.
+struct Variant {
+  std::string recipe;
+  bool v_per_channel;
+};
+std::vector<Variant> variants();
+
 // A value written over one input element after the distribution (and the magnitude): NaN, +inf
 // or -inf, for the non-finite cases (docs/numerics.md, "Non-finite inputs"). Only for recipes
 // that take floating-point inputs: prequantized INT8 inputs are finite by construction.

@@ -23,21 +23,6 @@
 namespace sage::testing {
 namespace {
 
-// One entry per recipe the GPU must run: every GPU preset, and int_flash once more with the
-// per-channel V scale its prequantized inputs may carry.
-struct Variant {
-  std::string recipe;
-  bool v_per_channel;
-};
-std::vector<Variant> variants() {
-  std::vector<Variant> out;
-  for (const std::string& name : gpu_presets()) {
-    out.push_back({name, false});
-    if (preset(name).inputs == Inputs::prequantized_int8) out.push_back({name, true});
-  }
-  return out;
-}
-
 // The cases `make` adds for one variant, for every variant.
 std::vector<GpuCase> for_every_variant(const std::function<void(const GpuCase&, std::vector<GpuCase>&)>& make) {
   std::vector<GpuCase> cases;

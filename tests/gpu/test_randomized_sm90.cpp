@@ -34,21 +34,6 @@ constexpr uint64_t kListSeed = 35001;  // issue 35, list 1
 constexpr int kCasesPerVariant = 125;
 constexpr float kFp16Magnitude = 60000.f, kBf16Magnitude = 1e4f;
 
-// One entry per recipe the GPU must run: every GPU preset, and int_flash once more with the
-// per-channel V scale its prequantized inputs may carry.
-struct Variant {
-  std::string recipe;
-  bool v_per_channel;
-};
-std::vector<Variant> variants() {
-  std::vector<Variant> out;
-  for (const std::string& name : gpu_presets()) {
-    out.push_back({name, false});
-    if (preset(name).inputs == Inputs::prequantized_int8) out.push_back({name, true});
-  }
-  return out;
-}
-
 enum class Family { distribution, extreme, nonfinite };
 const char* family_name(Family f) {
   return f == Family::distribution ? "distribution" : f == Family::extreme ? "extreme" : "nonfinite";
