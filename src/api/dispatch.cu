@@ -12,6 +12,8 @@
 #include "quant/kv_prepass.cuh"
 #include "quant/q_channel_range.cuh"
 #include "sage/attention.h"
+#include "sage/varlen.h"
+#include "api/varlen_gpu.h"
 #include "numerics/quant_rules.h"
 #include "numerics/tile.h"
 #include "built_kernels.h"
@@ -426,6 +428,10 @@ void attention(const AttentionArgs& args, void* workspace, size_t workspace_size
   run_step(Step::quantize_kv, args, c.problem, c.variant, ws, s);
   run_step(Step::attention, args, c.problem, c.variant, ws, s);
 }
+
+// Packed variable-length batches: no sm_90 kernel yet, so a named refusal (never a dense
+// call in disguise or a silent run on the CPU).
+void attention_varlen(const VarlenArgs&, void*, size_t, void*) { refuse_varlen_on_gpu(); }
 
 bool gpu_supports(const Recipe& recipe) {
   KernelVariant v{};

@@ -4,6 +4,8 @@
 // it cannot run instead of failing at link time or silently computing on the CPU.
 #include "sage/attention.h"
 #include "sage/error.h"
+#include "sage/varlen.h"
+#include "api/varlen_gpu.h"
 
 namespace sage {
 namespace {
@@ -25,6 +27,9 @@ size_t kv_workspace_bytes(int64_t, int64_t, int64_t, int64_t, const Recipe&) { n
 void quantize_kv(const AttentionArgs&, void*, size_t, void*) { no_cuda(); }
 
 void attention_from_quantized_kv(const AttentionArgs&, const void*, size_t, void*) { no_cuda(); }
+
+// Refused for its own reason first: even a CUDA build has no varlen kernel yet.
+void attention_varlen(const VarlenArgs&, void*, size_t, void*) { refuse_varlen_on_gpu(); }
 
 bool gpu_supports(const Recipe&) { return false; }
 
