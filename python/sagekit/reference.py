@@ -65,6 +65,22 @@ def _host_capsule(t: Any, name: str) -> Any:
     return dlpack_capsule(t.detach())
 
 
+def _input_kind(q: Any) -> str:
+    """'torch' or 'numpy': what q is, which every other array of the call must match."""
+    if _is_torch(q):
+        return "torch"
+    if _is_numpy(q):
+        return "numpy"
+    raise argument_error("q", f"must be a NumPy array or a CPU torch tensor (got {type(q).__name__})")
+
+
+def _require_kind(kind: str, named: dict) -> None:
+    for name, x in named.items():
+        if not (_is_torch(x) if kind == "torch" else _is_numpy(x)):
+            raise argument_error(name, f"must be a {'torch tensor' if kind == 'torch' else 'NumPy array'} "
+                                 f"like q (got {type(x).__name__})")
+
+
 def _run(fn, q, k, v, recipe, is_causal, scale, layout, return_lse, q_scale, k_scale, v_scale,
          window_size):
     layout = _layout(layout)
@@ -72,21 +88,9 @@ def _run(fn, q, k, v, recipe, is_causal, scale, layout, return_lse, q_scale, k_s
         raise argument_error("is_causal", f"must be a bool (got {type(is_causal).__name__})")
     left, right = checked_window(window_size, is_causal)
     scale = checked_scale(scale)
-    if _is_torch(q):
-        kind = "torch"
-    elif _is_numpy(q):
-        kind = "numpy"
-    else:
-        raise argument_error("q", "must be a NumPy array or a CPU torch tensor "
-                             f"(got {type(q).__name__})")
+    kind = _input_kind(q)
     named = {"q": q, "k": k, "v": v, "q_scale": q_scale, "k_scale": k_scale, "v_scale": v_scale}
-    for name, x in named.items():
-        if x is None and name.endswith("_scale"):
-            continue
-        same_kind = _is_torch(x) if kind == "torch" else _is_numpy(x)
-        if not same_kind:
-            raise argument_error(name, f"must be a {'torch tensor' if kind == 'torch' else 'NumPy array'} "
-                                 f"like q (got {type(x).__name__})")
+    _require_kind(kind, {n: x for n, x in named.items() if not (x is None and n.endswith("_scale"))})
     if q.ndim != 4:
         raise argument_error("q", f"must have 4 dimensions ({'[batch, heads, tokens, head_dim]' if layout == 'HND' else '[batch, tokens, heads, head_dim]'}, "
                              f"layout {layout}) (got {q.ndim})")
@@ -210,3 +214,81 @@ def exact_backward(q, k, v, do, is_causal: bool = False, scale: Optional[float] 
     simulate_backward, without a recipe)."""
     return _run_backward(_C.exact_backward, q, k, v, do, "sage2_8b", is_causal, scale, layout,
                          return_forward)
+
+
+# ---- packed variable-length batches ---------------------------------------------------------
+
+def _checked_max_seqlen(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise argument_error(name, f"must be an int, at least the longest sequence "
+                             f"(got {type(value).__name__})")
+    return int(value)
+
+
+def checked_varlen_options(dropout_p: Any, causal: Any, window_size: Any, softmax_scale: Any,
+                           max_seqlen_q: Any, max_seqlen_k: Any):
+    """The options of a varlen call, checked under FlashAttention's names:
+    (max_seqlen_q, max_seqlen_k, window_left, window_right, scale)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
+        raise argument_error("dropout_p", f"must be 0.0: sagekit's attention has no dropout "
+                             f"(got {dropout_p!r})")
+    if not isinstance(causal, bool):
+        raise argument_error("causal", f"must be a bool (got {type(causal).__name__})")
+    left, right = checked_window(window_size, causal)
+    scale = checked_scale(softmax_scale, "softmax_scale")
+    return (_checked_max_seqlen(max_seqlen_q, "max_seqlen_q"),
+            _checked_max_seqlen(max_seqlen_k, "max_seqlen_k"), left, right, scale)
+
+
+def _run_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                softmax_scale, causal, window_size, return_lse, recipe):
+    max_q, max_k, left, right, scale = checked_varlen_options(
+        dropout_p, causal, window_size, softmax_scale, max_seqlen_q, max_seqlen_k)
+    kind = _input_kind(q)
+    named = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+    _require_kind(kind, named)
+    if q.ndim != 3:
+        raise argument_error("q", f"must have 3 dimensions [total_q, heads_q, head_dim] (got {q.ndim})")
+    total_q, heads_q = int(q.shape[0]), int(q.shape[1])
+    out, out_arg = _new_float32(kind, tuple(int(s) for s in q.shape))
+    lse, lse_arg = _new_float32(kind, (heads_q, total_q)) if return_lse else (None, None)
+    conv = {n: _host_capsule(x, n) for n, x in named.items()} if kind == "torch" else named
+    fn(conv["q"], conv["k"], conv["v"], conv["cu_seqlens_q"], conv["cu_seqlens_k"], max_q, max_k,
+       out_arg, lse_arg, causal=causal, window_left=left, window_right=right, sm_scale=scale,
+       recipe=recipe)
+    return (out, lse) if return_lse else out
+
+
+def simulate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                    dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                    causal: bool = False, window_size: Tuple[int, int] = (-1, -1), *,
+                    recipe: RecipeLike = "sage2_8b", return_lse: bool = False):
+    """simulate on a packed batch of variable-length sequences, with the arguments of
+    FlashAttention's flash_attn_varlen_func (its positional order too).
+
+    q: [total_q, heads_q, head_dim], k, v: [total_k, heads_kv, head_dim], float16/bfloat16
+    NumPy arrays or CPU torch tensors; cu_seqlens_q, cu_seqlens_k: int32 [batch + 1] offsets
+    of each sequence's first token (0 first, the token counts last), the same kind as q;
+    max_seqlen_q, max_seqlen_k: at least the longest sequence. Each sequence is its own
+    attention problem: causal and window_size are aligned bottom-right per sequence, and
+    every statistic the recipe takes over tokens is taken over that sequence only, so the
+    result for one sequence does not depend on its neighbours, bit for bit. Returns float32
+    out of q's shape (and with return_lse=True the natural-log LSE, [heads_q, total_q]);
+    a sequence with queries and no key gets 0 and an LSE of -inf.
+    """
+    if isinstance(recipe, str) and recipe == "auto":
+        recipe = "sage2_8b_balanced"
+    return _run_varlen(_C.simulate_varlen, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                       max_seqlen_k, dropout_p, softmax_scale, causal, window_size, return_lse,
+                       recipe)
+
+
+def exact_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                 dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                 causal: bool = False, window_size: Tuple[int, int] = (-1, -1), *,
+                 return_lse: bool = False):
+    """Attention in float64 on each sequence of a packed batch, returned as float32
+    (arguments as simulate_varlen, without a recipe)."""
+    return _run_varlen(_C.exact_varlen, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                       max_seqlen_k, dropout_p, softmax_scale, causal, window_size, return_lse,
+                       "sage2_8b")

@@ -22,6 +22,7 @@
 #include "sage/backward.h"
 #include "sage/calibrate.h"
 #include "sage/error.h"
+#include "sage/varlen.h"
 #include "views.h"
 
 namespace nb = nanobind;
@@ -114,6 +115,37 @@ void fill_backward(BackwardCall& c, nb::handle q, nb::handle k, nb::handle v, nb
   a.lse = c.arrays.output(lse, "lse");
   require_host({{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.dout, "dout"}, {&a.dq, "dq"},
                 {&a.dk, "dk"}, {&a.dv, "dv"}, {&a.out, "out"}, {&a.lse, "lse"}});
+}
+
+// A packed variable-length call of the CPU references, imported once; every view (the
+// offsets included, which the references read) must be in host memory.
+struct VarlenCall {
+  ViewSet arrays;
+  sage::VarlenArgs args;
+};
+
+void fill_varlen(VarlenCall& c, nb::handle q, nb::handle k, nb::handle v, nb::handle cu_seqlens_q,
+                 nb::handle cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                 nb::handle out, nb::handle lse, bool causal, Window window,
+                 std::optional<double> sm_scale, nb::handle recipe) {
+  sage::VarlenArgs& a = c.args;
+  a.recipe = recipe_from(recipe);
+  a.q = c.arrays.input(q, "q");
+  a.k = c.arrays.input(k, "k");
+  a.v = c.arrays.input(v, "v");
+  a.cu_seqlens_q = c.arrays.input(cu_seqlens_q, "cu_seqlens_q");
+  a.cu_seqlens_k = c.arrays.input(cu_seqlens_k, "cu_seqlens_k");
+  a.max_seqlen_q = max_seqlen_q;
+  a.max_seqlen_k = max_seqlen_k;
+  if (out.is_none()) throw sage::Error("out", "is required (an array of q's shape to write into)");
+  a.out = c.arrays.output(out, "out");
+  a.lse = c.arrays.output(lse, "lse");
+  a.causal = causal;
+  a.window_left = window.left;
+  a.window_right = window.right;
+  if (sm_scale) a.sm_scale = static_cast<float>(*sm_scale);
+  require_host({{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.cu_seqlens_q, "cu_seqlens_q"},
+                {&a.cu_seqlens_k, "cu_seqlens_k"}, {&a.out, "out"}, {&a.lse, "lse"}});
 }
 
 nb::dict problem_dict(const sage::Problem& p) {
@@ -469,6 +501,44 @@ NB_MODULE(_C, m) {
          backward_doc)
             .c_str());
 #undef SAGEKIT_BACKWARD_KWARGS
+
+  // Packed variable-length batches (FlashAttention's flash_attn_varlen_func names): the CPU
+  // references run them; the GPU entry point refuses by name until its kernel exists.
+  auto host_varlen = [](void (*reference)(const sage::VarlenArgs&)) {
+    return [reference](nb::handle q, nb::handle k, nb::handle v, nb::handle cu_seqlens_q,
+                       nb::handle cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                       nb::handle out, nb::handle lse, bool causal, int64_t window_left,
+                       int64_t window_right, std::optional<double> sm_scale, nb::handle recipe) {
+      VarlenCall c;
+      fill_varlen(c, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse,
+                  causal, {window_left, window_right}, sm_scale, recipe);
+      nb::gil_scoped_release unlocked;
+      reference(c.args);
+    };
+  };
+  const auto varlen_doc =
+      "q: [total_q, heads_q, head_dim], k, v: [total_k, heads_kv, head_dim] host arrays; "
+      "cu_seqlens_q, cu_seqlens_k: int32 [batch + 1] offsets (host); max_seqlen_q/_k: at least "
+      "the longest sequence; out: q's shape, written; lse: optional [heads_q, total_q] float32, "
+      "written; causal, window_left/window_right, sm_scale, recipe as for simulate, per sequence.";
+#define SAGEKIT_VARLEN_KWARGS                                                                  \
+  "q"_a.none(), "k"_a.none(), "v"_a.none(), "cu_seqlens_q"_a.none(), "cu_seqlens_k"_a.none(), \
+      "max_seqlen_q"_a, "max_seqlen_k"_a, "out"_a.none(), "lse"_a.none() = nb::none(),         \
+      "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1,                         \
+      "sm_scale"_a = nb::none(), "recipe"_a.none() = "sage2_8b"
+  m.def("simulate_varlen", host_varlen(&sage::reference::simulate_varlen), SAGEKIT_VARLEN_KWARGS,
+        (std::string("simulate on each sequence of a packed batch (every statistic over that "
+                     "sequence's tokens only). ") +
+         varlen_doc)
+            .c_str());
+  m.def("exact_varlen", host_varlen(&sage::reference::exact_varlen), SAGEKIT_VARLEN_KWARGS,
+        (std::string("exact on each sequence of a packed batch. ") + varlen_doc).c_str());
+#undef SAGEKIT_VARLEN_KWARGS
+  m.def(
+      "attention_varlen",
+      [] { sage::attention_varlen(sage::VarlenArgs{}, nullptr, 0, nullptr); },
+      "The GPU entry point of packed variable-length batches. No sm_90 kernel exists yet: it "
+      "raises ArgumentError('cu_seqlens_q: ...') saying so, whatever the build.");
 
   m.def(
       "check_args",
