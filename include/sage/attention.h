@@ -17,6 +17,9 @@
 // window_right = 0, and combines with a left window (a sliding window over past keys). A
 // query row with no key to attend (causal or a right window with n_q > n_kv + window_right,
 // or n_kv = 0) outputs zeros and its LSE is -inf, never NaN.
+//
+// Packed variable-length batches (FlashAttention's cu_seqlens form) are sage/varlen.h: the CPU
+// references run them; the GPU has no kernel for them yet.
 #pragma once
 
 #include <cstdint>

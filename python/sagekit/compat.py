@@ -256,11 +256,11 @@ def sageattn_qk_int8_pv_fp8_cuda_sm90(q, k, v, tensor_layout: str = "HND", is_ca
 def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                     is_causal: bool = False, sm_scale: Optional[float] = None,
                     smooth_k: bool = True, **kwargs: Any):
-    """Not available: sagekit has no variable-length (packed sequences) attention yet."""
+    """Not available: sagekit has no GPU kernel for packed variable-length batches yet."""
     raise NotImplementedError(
-        "sageattn_varlen: sagekit has no variable-length (packed) attention yet; pad the "
-        "sequences into a batch and call sagekit.compat.sageattn, or keep the reference "
-        "package for this call")
+        "sageattn_varlen: sagekit has no GPU kernel for packed variable-length batches yet "
+        "(sagekit.simulate_varlen runs them on the CPU); pad the sequences into a batch and "
+        "call sagekit.compat.sageattn, or keep the reference package for this call")
 
 
 _PLANNERS = {
