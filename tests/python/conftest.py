@@ -101,3 +101,15 @@ def random_qkv(shape_q, shape_kv, dtype="float16", seed=0):
     k = (rng.standard_normal(shape_kv) + rng.standard_normal(shape_kv[-1]) * 2).astype(dtype)
     v = rng.standard_normal(shape_kv).astype(dtype)
     return q, k, v
+
+
+def check_argument_error(argument, fn, *args, **kwargs):
+    """fn(*args, **kwargs) raises the library's ArgumentError (a ValueError) naming `argument`,
+    in the 'argument: ...' form; returns its message."""
+    with pytest.raises(ValueError) as info:
+        fn(*args, **kwargs)
+    err = info.value
+    assert isinstance(err, sagekit.ArgumentError), repr(err)
+    assert err.argument == argument, f"expected {argument!r}, got {err.argument!r}: {err}"
+    assert str(err).startswith(argument + ": "), str(err)
+    return str(err)

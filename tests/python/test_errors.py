@@ -7,18 +7,9 @@ import pytest
 
 import sagekit
 from conftest import HAS_TORCH, needs_torch, random_qkv
+from conftest import check_argument_error as check
 
 np = pytest.importorskip("numpy", reason="needs numpy")
-
-
-def check(argument, fn, *args, **kwargs):
-    with pytest.raises(ValueError) as info:
-        fn(*args, **kwargs)
-    err = info.value
-    assert isinstance(err, sagekit.ArgumentError), repr(err)
-    assert err.argument == argument, f"expected {argument!r}, got {err.argument!r}: {err}"
-    assert str(err).startswith(argument + ": "), str(err)
-    return str(err)
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ torch tensors where torch is installed), and sageattn_varlen's named refusal."""
 import pytest
 
 import sagekit
+from conftest import check_argument_error as check
 from conftest import needs_torch
 
 np = pytest.importorskip("numpy", reason="needs numpy")
@@ -30,15 +31,6 @@ def pack(seqs):
     max_q = int(np.max(np.diff(cu_q), initial=0))
     max_k = int(np.max(np.diff(cu_k), initial=0))
     return q, k, v, cu_q, cu_k, max_q, max_k
-
-
-def check(argument, fn, *args, **kwargs):
-    with pytest.raises(ValueError) as info:
-        fn(*args, **kwargs)
-    err = info.value
-    assert isinstance(err, sagekit.ArgumentError), repr(err)
-    assert err.argument == argument, f"expected {argument!r}, got {err.argument!r}: {err}"
-    return str(err)
 
 
 SEQS = [(33, 130, 1), (0, 5, 2), (1, 1, 3), (97, 20, 4), (3, 0, 5), (130, 129, 6)]
