@@ -170,6 +170,10 @@ std::string GpuCase::describe() const {
 //     then FP22) l was 0.67% off on `sink`: every small P beside a large one loses its low
 //     bits in the tensor core, which docs/numerics.md step 9 now models; a systematic
 //     difference like that would show in every row and fail the count.
+// The recipe error (1 - cosine against exact) up to which expect_within_bounds also bounds
+// the kernel's cosine against exact by the simulator's plus the deviation bound.
+constexpr double kAlignedErrorCheckMax = 1e-2;
+
 Bounds bounds_for(const std::string& recipe) {
   const Bounds base{0.99999, 5e-3, 1e-3};
   Bounds b = base;
@@ -233,15 +237,17 @@ void expect_within_bounds(const GpuCase& c, const GpuResult& r) {
   EXPECT_EQ(r.vs_sim.nonfinite, 0) << c.describe();
   EXPECT_GE(r.vs_sim.cosine, b.sim_cosine) << c.describe();
   EXPECT_LE(r.vs_sim.rel_l1, b.sim_rel_l1) << c.describe();
-  // Against exact attention, the triangle inequalities through the simulator: of angles for
-  // the cosine (angle(kernel, exact) <= angle(kernel, sim) + angle(sim, exact), the first at
-  // most the bound's), of L1 distances for rel L1. Subtracting the cosine deviations instead
-  // held only while the recipe's own error was small: on inputs where it is large (cosine
-  // 0.93-0.99: extreme magnitudes, channel_offset) the cross term decides, and kernels within
-  // the simulator bound landed 1e-7 to 4e-5 outside it.
-  const auto angle = [](double cosine) { return std::acos(std::clamp(cosine, -1.0, 1.0)); };
-  EXPECT_LE(angle(r.vs_exact.cosine), angle(r.sim_vs_exact.cosine) + angle(b.sim_cosine) + 1e-12)
-      << c.describe() << ": exact cosine " << r.vs_exact.cosine << ", simulator's " << r.sim_vs_exact.cosine;
+  // Against exact attention: the kernel's cosine error may exceed the simulator's own by at
+  // most the kernel-vs-simulator bound, 1 - cos(k, e) <= (1 - cos(s, e)) + (1 - bound). That is
+  // not a theorem (the angle triangle inequality, which always holds once the simulator check
+  // passes, adds a cross term 2 sqrt(both)), so it catches a kernel deviation aligned with the
+  // recipe's own error. It is asserted where the recipe's error is below 1e-2 (cosine 0.99):
+  // above it the cross term decides, and among 1,625 randomized cases the three with cosine
+  // 0.93-0.99 (extreme magnitudes, channel_offset) landed 1e-7 to 4e-5 outside it while
+  // matching the simulator; there the simulator check above is the kernel's bound.
+  if (1 - r.sim_vs_exact.cosine <= kAlignedErrorCheckMax)
+    EXPECT_GE(r.vs_exact.cosine, r.sim_vs_exact.cosine - (1 - b.sim_cosine))
+        << c.describe() << ": exact cosine " << r.vs_exact.cosine << ", simulator's " << r.sim_vs_exact.cosine;
   EXPECT_LE(r.vs_exact.rel_l1, r.sim_vs_exact.rel_l1 + b.sim_rel_l1) << c.describe();
   if (c.with_lse) {
     expect_lse_near_simulator(c, r);
