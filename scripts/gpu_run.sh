@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizers, Python package, benchmark.
-# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [timingmodes] [profile] [digest] [ab]
+# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [timingmodes] [profile] [digest] [ab] [dist] [distbench]
 # Results land in $OUT (at most 8 files come back): logs, JSON and Markdown.
 # bench: BENCH_RUNS runs of the grid (default 3), merged into $OUT/h100.{json,md} by their
 # per-point median (bench/merge_runs.py).
@@ -25,7 +25,7 @@ if has build; then
   cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAGE_GTEST_SOURCE_DIR=$PWD/.deps/googletest \
     -DCMAKE_CUDA_FLAGS="${CUDA_FLAGS:-}" -DSAGE_BUILD_TESTS=ON -DSAGE_BUILD_CLI=ON -DSAGE_BUILD_PYTHON=ON \
     -DPython_EXECUTABLE="$(python3 -c 'import sys; print(sys.executable)')" > "$OUT/build.log" 2>&1 &&
-    ninja -C $BUILD -j16 ${TARGETS:-} >> "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+    ninja -C $BUILD -j${JOBS:-16} ${TARGETS:-} >> "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
   tail -2 "$OUT/build.log"
 fi
 if has test; then
@@ -50,7 +50,8 @@ if has python; then
   log python package
   # In the build stage's folder: its library and kernels are reused, not compiled again.
   bash scripts/python_gpu_install.sh --build-dir $BUILD > "$OUT/python.log" 2>&1; echo "install exit $?"
-  PYTHONUNBUFFERED=1 timeout 600 python3 -m pytest -q tests/python >> "$OUT/python.log" 2>&1; echo "pytest exit $?"
+  # PY_TESTS narrows the suite (e.g. to one file) on runs that are about something else.
+  PYTHONUNBUFFERED=1 timeout 600 python3 -m pytest -q ${PY_TESTS:-tests/python} >> "$OUT/python.log" 2>&1; echo "pytest exit $?"
   tail -5 "$OUT/python.log"
 fi
 if has bench; then
@@ -188,5 +189,31 @@ if has profile; then
     ncu --import "$PB/prof_d$1_n$2.ncu-rep" --page source --print-source cuda,sass --csv \
       -k regex:attention_kernel > "$OUT/ncu_src_d$1_n$2.csv" 2>&1
     echo "source export: $(wc -l < "$OUT/ncu_src_d$1_n$2.csv") lines"
+  done
+fi
+if has dist || has distbench; then
+  # Sequence parallelism (issue 37, docs/distributed.md); needs the python stage's package and
+  # the engines' wheels in .whl/ (carry it). dist: the torchrun correctness tests (2 and 4
+  # ranks where the GPUs exist) and the diffusers example on 2 GPUs; distbench: the scaling
+  # grid for each world size in DIST_RANKS (default "2 4"), DIST_BENCH_ARGS passed on.
+  bash scripts/install_dist_deps.sh .whl --target /tmp/site > "$OUT/dist.log" 2>&1 ||
+    { tail -5 "$OUT/dist.log"; exit 1; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  gpus=$(nvidia-smi -L | wc -l)
+fi
+if has dist; then
+  log sequence parallelism: tests and example on $gpus GPUs
+  PYTHONUNBUFFERED=1 timeout 900 python3 -m pytest -q -rs -s tests/python/test_distributed.py \
+    tests/python/test_distributed_gpu.py >> "$OUT/dist.log" 2>&1; echo "dist pytest exit $?"
+  grep -E "ratio [0-9]|passed|failed|SKIPPED|Error" "$OUT/dist.log" | awk '{print}' | tail -60
+  [ "$gpus" -ge 2 ] && timeout 600 torchrun --standalone --nproc-per-node 2 \
+    examples/diffusers_context_parallel.py --out "$OUT/sp_example.json" 2>&1 | grep -vi warn | tail -12
+fi
+if has distbench; then
+  for ranks in ${DIST_RANKS:-2 4}; do
+    [ "$ranks" -le "$gpus" ] || { echo "distbench: $ranks ranks need $ranks GPUs (have $gpus)"; continue; }
+    log sequence parallelism: scaling on $ranks GPUs
+    PYTHONUNBUFFERED=1 timeout 900 torchrun --standalone --nproc-per-node "$ranks" bench/sequence_parallel.py \
+      bench --out "$OUT/sp_bench_$ranks.json" ${DIST_BENCH_ARGS:-} 2>&1 | grep -E "TOPS|wrote|Error|error" | tail -80
   done
 fi
