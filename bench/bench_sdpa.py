@@ -51,7 +51,8 @@ def main():
     ap.add_argument("--causal", default="0,1")
     ap.add_argument("--dtypes", default="float16")
     ap.add_argument("--recipe", default="sage2_8b")
-    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=32,
+                    help="heads per call; 0: 4096 // d, the heads x d ~ 4096 of issue 34's head-dim grid")
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
@@ -78,9 +79,10 @@ def main():
     for idx, (dt, d, causal, n) in enumerate(grid):
         dtype = getattr(torch, dt)
         batch = max(1, args.tokens // n)
-        sets = [[torch.randn(batch, args.heads, n, d, device="cuda", dtype=dtype) for _ in range(3)]
+        heads = args.heads or max(1, 4096 // d)
+        sets = [[torch.randn(batch, heads, n, d, device="cuda", dtype=dtype) for _ in range(3)]
                 for _ in range(2)]
-        ops = 4.0 * batch * args.heads * n * n * d / (2 if causal else 1)
+        ops = 4.0 * batch * heads * n * n * d / (2 if causal else 1)
         impls = {
             "sagekit": lambda i=0: sagekit.sageattn(*sets[i % 2], is_causal=bool(causal), recipe=args.recipe),
         }
@@ -112,7 +114,7 @@ def main():
             tops = ops / (ms * 1e-3) / 1e12
             row[label] = tops
             records.append(dict(impl=name, recipe=args.recipe if name == "sagekit" else "fp16" if dt == "float16" else "bf16",
-                                d=d, causal=bool(causal), n=n, batch=batch, heads=args.heads, dtype=dt,
+                                d=d, causal=bool(causal), n=n, batch=batch, heads=heads, dtype=dt,
                                 whole_call=whole_call, ms=ms, tops=tops, device=dev))
         # accuracy of sagekit on one head of these inputs, against float64
         q, k, v = (t[:1, :1] for t in sets[0])
