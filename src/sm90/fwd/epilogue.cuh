@@ -18,23 +18,28 @@
 #include "common/vec_io.cuh"
 #include "common/ptx.cuh"
 #include "sm90/fwd/mainloop.cuh"
+#include "sm90/fwd/qk_layout.cuh"
 #include "sm90/fwd/seqlen.cuh"
 
 namespace sage::sm90 {
 
 // o: the warp's accumulator (fragment.cuh layout); inv_l / l: its two rows' normalizers;
-// v_scale, v_mean: the head's V channel scales and means (v_mean null: zeros). stage: the
-// warp's 16 x D bytes of the Q tile (aligned to the swizzle repeat). out_rows: the output row
-// of the warp's first row; rows at or past n_rows are not written. aligned16: out_rows and
-// the row stride allow 16-byte stores (else four 4-byte stores each).
+// v_scale, v_mean: the head's V channel scales and means (v_mean null: zeros). q_tile: the
+// warpgroup's Q tile, whose rows 16 warp .. 16 warp + 15 stage the warp's output
+// (qk_layout.cuh: rows of at least D bytes). out_rows: the output row of the warp's first row;
+// rows at or past n_rows and columns at or past head_dim (the caller's: a multiple of 8, <= D)
+// are not written. aligned16: out_rows and the row stride allow 16-byte stores (else four
+// 4-byte stores each).
 template <int D, class T>
 __device__ __forceinline__ void store_output_rows(const float (&o)[D / 2], const float (&inv_l)[2],
                                                   const float (&l)[2], const float* v_scale,
-                                                  const float* v_mean, int8_t* stage,
+                                                  const float* v_mean, int8_t* q_tile, int warp,
                                                   T* out_rows, int64_t row_stride, int n_rows,
-                                                  bool aligned16, int lane) {
+                                                  int head_dim, bool aligned16, int lane) {
+  using L = QKLayout<D>;
   constexpr int kHalfChunks = D / 16;  // 16-byte pieces of a half row: 8-column blocks per half
-  const uint32_t stage_addr = smem_addr(stage);
+  const uint32_t stage_addr = smem_addr(q_tile);
+  const int row0 = 16 * warp;
   const int t = lane % 4;
   // The channel scales and means of columns 8j + 2t, +1, all requested before the first use
   // (loaded where used, each multiply waited for its load). Loaded here, not by the caller:
@@ -66,15 +71,16 @@ __device__ __forceinline__ void store_output_rows(const float (&o)[D / 2], const
         piece[m] = gpu::pack2<T>(y0, y1);
       }
       const int m = lane / 8, row = 8 * (m % 2) + lane % 8, chunk = jj + m / 2;
-      stmatrix_x4(stage_addr + swizzled_offset(row, 16 * chunk, D), piece);
+      stmatrix_x4(stage_addr + L::template offset<64>(row0 + row, 16 * chunk), piece);
     }
     __syncwarp();
 #pragma unroll
     for (int k = 0; k < 16 * kHalfChunks / 32; ++k) {
       const int q = 32 * k + lane, row = q / kHalfChunks, chunk = q % kHalfChunks;
-      const uint4 v = ld_shared_v4(stage_addr + swizzled_offset(row, 16 * chunk, D));
-      if (row < n_rows) {
-        T* dst = out_rows + row * row_stride + half * (D / 2) + 8 * chunk;
+      const uint4 v = ld_shared_v4(stage_addr + L::template offset<64>(row0 + row, 16 * chunk));
+      const int col = half * (D / 2) + 8 * chunk;
+      if (row < n_rows && col < head_dim) {
+        T* dst = out_rows + row * row_stride + col;
         if (aligned16) {
           *reinterpret_cast<uint4*>(dst) = v;
         } else {
@@ -108,11 +114,12 @@ __device__ __forceinline__ void run_epilogue(const AttentionParams& p, typename 
   T* out_head = static_cast<T*>(p.out) + seq.out_offset(item.b, item.h);
   const int warp_row0 = item.wg_row0 + 16 * item.warp;
   const bool aligned16 = reinterpret_cast<uintptr_t>(out_head) % 16 == 0 && p.o_stride_n % 8 == 0;
-  store_output_rows<D, T>(ml.o, inv_l, l, p.kv.v_scale + item.kv_head * D,
-                          p.smooth_v ? p.kv.v_mean + item.kv_head * D : nullptr,
-                          s.q[qbuf][item.cw] + 16 * item.warp * D,
+  constexpr int kRow = QKLayout<D>::kRowBytes;  // the workspace's channels per head
+  store_output_rows<D, T>(ml.o, inv_l, l, p.kv.v_scale + item.kv_head * kRow,
+                          p.smooth_v ? p.kv.v_mean + item.kv_head * kRow : nullptr,
+                          s.q[qbuf][item.cw], item.warp,
                           out_head + (int64_t)warp_row0 * p.o_stride_n, p.o_stride_n,
-                          seq.n_q(item.b) - warp_row0, aligned16, item.lane);
+                          seq.n_q(item.b) - warp_row0, p.head_dim, aligned16, item.lane);
   // The buffer (Q codes and this warp's staging) goes back to the stage (the epilogue
   // ended with __syncwarp: every lane's staging reads are done).
   if (q_staged && item.lane == 0) mbar_arrive(&s.q_empty[qbuf]);

@@ -15,8 +15,13 @@
 
 // The head dims with a Hopper kernel, the only list of them: src/sm90/fwd/instantiate.cmake
 // reads this line to know what it may instantiate (SAGE_HEAD_DIMS picks a subset), and
-// sage::gpu_head_dim_list() gives it in a build without CUDA.
-#define SAGE_SUPPORTED_HEAD_DIMS(X) X(64) X(128)
+// sage::gpu_head_dim_list() gives it in a build without CUDA. Each is a tile of
+// numerics/tile.h's kernel_head_dim; the other multiples of 8 from 32 up run on the next one
+// with zero channels (the kernel's Q loads and output stores are bounded by the caller's dim,
+// the workspace is padded: quant/kv_layout.h). 96: the d = 128 kernel with n = 96 PV MMAs and
+// three k32 QK MMAs over 128-byte K rows (sm90/fwd/qk_layout.cuh), two consumer warpgroups, no
+// row sum from the PV MMA (as at 64: below rules::kRowSumMmaMinHeadDim), the Q stage.
+#define SAGE_SUPPORTED_HEAD_DIMS(X) X(64) X(96) X(128)
 
 namespace sage::sm90 {
 
@@ -76,7 +81,8 @@ struct KernelTraits {
   bool overlap_pv;      // the intra-warpgroup pipeline (QK of tile i beside PV of tile i-1)
   int v_ones_rows;      // see v_ones_rows()
   int v_bytes;          // bytes per V element in shared memory
-  int k_swizzle_bytes;  // the K and Q tiles' swizzle span: one row of head_dim INT8 codes
+  int qk_row_bytes;     // bytes per K and Q row in shared memory (quant::kv_layout_head_dim)
+  int k_swizzle_bytes;  // the K and Q tiles' swizzle span: 64 at d = 64, else 128 (qk_layout.cuh)
   int v_swizzle_bytes;  // V tile rows are block_kv * v_bytes bytes, one 128-byte span per box
 };
 
@@ -99,12 +105,13 @@ constexpr KernelTraits kernel_traits(int head_dim, Variant v) {
   t.consumer_regs = (t.launch_regs * t.threads - t.producer_regs * 128) / (128 * t.consumers) / 8 * 8;
   // The software pipeline, except where ptxas (CUDA 13.0) spilled it heavily: at d = 128
   // INT8 and f16-pair PV; at d = 64 Q smoothing and per-token K scales (docs/design.md).
-  t.overlap_pv = head_dim == 64
+  t.overlap_pv = head_dim <= 64
                      ? v.k_scales == KScales::per_tile && !v.smooth_q
                      : v.path == PVPath::e4m3_two_level || v.path == PVPath::fp16;
   t.v_ones_rows = v_ones_rows(head_dim, v.path);
   t.v_bytes = v_bytes(v.path);
-  t.k_swizzle_bytes = head_dim;
+  t.qk_row_bytes = quant::kv_layout_head_dim(head_dim);
+  t.k_swizzle_bytes = t.qk_row_bytes < 128 ? t.qk_row_bytes : 128;
   t.v_swizzle_bytes = 128;
   return t;
 }
@@ -122,6 +129,7 @@ constexpr bool register_budgets_fit(const KernelTraits& t) {
   return t.producer_regs * 128 + t.consumer_regs * 128 * t.consumers <= t.launch_regs * t.threads;
 }
 #define SAGE_CHECK_TRAITS(D)                                                                    \
+  static_assert(kernel_head_dim(D) == D, "an instantiated head dim must be a tile of kernel_head_dim"); \
   static_assert(tile_config(D).block_kv == kBlockKV, "the quantizer's K/V tile and tile.h differ"); \
   static_assert(register_budgets_fit(kernel_traits(D, {PVPath::int8, KScales::per_tile, false})), \
                 "setmaxnreg budgets exceed the CTA's launch allocation");

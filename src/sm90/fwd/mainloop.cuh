@@ -87,10 +87,11 @@ struct Mainloop {
   __device__ __forceinline__ void issue_qk(int stage) {
     const uint32_t k_desc = k_desc0 + stage * kKStageDesc;
     wgmma_fence();
-    mma_s8_ss<kBlockKV, false>(sacc, smem_desc<D>(q_desc), smem_desc<D>(k_desc));
+    using L = QKLayout<D>;
+    mma_s8_ss<kBlockKV, false>(sacc, L::template desc<64>(q_desc, 0), L::template desc<kBlockKV>(k_desc, 0));
 #pragma unroll
-    for (int kc = 1; kc < D / 32; ++kc)
-      mma_s8_ss<kBlockKV, true>(sacc, smem_desc<D>(q_desc, 32 * kc), smem_desc<D>(k_desc, 32 * kc));
+    for (int kc = 1; kc < L::kChunks; ++kc)
+      mma_s8_ss<kBlockKV, true>(sacc, L::template desc<64>(q_desc, kc), L::template desc<kBlockKV>(k_desc, kc));
     wgmma_commit();
   }
   __device__ __forceinline__ void issue_pv(int stage) {
