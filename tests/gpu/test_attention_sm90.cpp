@@ -99,7 +99,7 @@ TEST(Sm90Attention, BatchLayoutsDtypesHeadDims) {
     for (int64_t batch : {1, 3})
       for (Layout layout : {Layout::HND, Layout::NHD})
         for (DType dt : {DType::f16, DType::bf16})
-          for (int64_t d : gpu_head_dim_list()) {
+          for (int64_t d : harness_head_dims()) {
             GpuCase c = base;
             c.batch = batch, c.layout = layout, c.dtype = dt, c.head_dim = d;
             c.n_q = 150, c.n_kv = 333, c.heads_q = 4, c.heads_kv = 2;
@@ -146,7 +146,7 @@ TEST(Sm90Attention, ChannelBalanceOnEveryRecipe) {
   SAGE_REQUIRE_GPU();
   std::vector<GpuCase> cases = for_every_variant([](const GpuCase& base, std::vector<GpuCase>& out) {
     if (base.prequantized()) return;
-    for (int64_t d : gpu_head_dim_list())
+    for (int64_t d : harness_head_dims())
       for (bool causal : {false, true})
         for (const char* dist : {"channel_offset", "normal"}) {
           GpuCase c = base;
@@ -169,7 +169,7 @@ TEST(Sm90Attention, ChannelBalanceOnEveryRecipe) {
 TEST(Sm90Attention, PScaleInTheExponentOffThePresets) {
   SAGE_REQUIRE_GPU();
   std::vector<GpuCase> cases;
-  for (int64_t d : gpu_head_dim_list())
+  for (int64_t d : harness_head_dims())
     for (bool causal : {false, true}) {
       GpuCase c;
       c.head_dim = d, c.causal = causal, c.n_q = 200, c.n_kv = 300, c.seed = uint64_t(d + causal);
@@ -510,7 +510,7 @@ TEST(Sm90Sanitize, ChainedWorkItems) {
   for (const auto order : {sm90::WorkOrderOverride::grouped, sm90::WorkOrderOverride::strided}) {
     PinnedWorkItems chained(order == sm90::WorkOrderOverride::strided ? 4 : 3, order);
     expect_cases_within_bounds(for_every_variant([](const GpuCase& base, std::vector<GpuCase>& out) {
-      for (int64_t d : gpu_head_dim_list()) {
+      for (int64_t d : harness_head_dims()) {
         GpuCase c = base;
         c.heads_q = 4, c.heads_kv = 2, c.n_q = 700, c.n_kv = 300, c.causal = true, c.head_dim = d;
         out.push_back(c);
