@@ -45,14 +45,22 @@ __device__ __forceinline__ void store_output_rows(const float (&o)[D / 2], const
   // (loaded where used, each multiply waited for its load). Loaded here, not by the caller:
   // as kernel-side arrays filled after the last PV MMA they spilled the d = 128 kernel (v13,
   // docs/history/README.md).
-  float2 vs[D / 8], vm[D / 8];
+  // Above d = 128 one half's at a time: all of them (128 registers) beside O's 128 would not fit.
+  constexpr bool kPerHalf = D > 128;
+  constexpr int kLoads = kPerHalf ? D / 16 : D / 8;
+  float2 vs[kLoads], vm[kLoads];
+  auto load_scales = [&](int j0) {
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
-    vs[j] = *reinterpret_cast<const float2*>(v_scale + 8 * j + 2 * t);
-    vm[j] = v_mean ? *reinterpret_cast<const float2*>(v_mean + 8 * j + 2 * t) : make_float2(0.f, 0.f);
-  }
+    for (int j = 0; j < kLoads; ++j) {
+      vs[j] = *reinterpret_cast<const float2*>(v_scale + 8 * (j0 + j) + 2 * t);
+      vm[j] = v_mean ? *reinterpret_cast<const float2*>(v_mean + 8 * (j0 + j) + 2 * t) : make_float2(0.f, 0.f);
+    }
+  };
+  if constexpr (!kPerHalf) load_scales(0);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
+    if constexpr (kPerHalf) load_scales(half * kHalfChunks);
+    const int j_base = kPerHalf ? half * kHalfChunks : 0;  // vs[j - j_base] is block j's
     // stmatrix x4: pieces (row half 0, block j), (1, j), (0, j + 1), (1, j + 1); lane l gives
     // the address of row l % 8 of piece l / 8.
 #pragma unroll
@@ -65,8 +73,8 @@ __device__ __forceinline__ void store_output_rows(const float (&o)[D / 2], const
         // l sums P~ * p_max: its p_max cancels the one of P's codes. Rows without keys (l = 0)
         // give 0; a NaN l (a non-finite input reached the row) gives NaN.
         if (!(l[r] <= 0.f)) {
-          y0 = (o[4 * j + 2 * r] * vs[j].x) * inv_l[r] + vm[j].x;
-          y1 = (o[4 * j + 2 * r + 1] * vs[j].y) * inv_l[r] + vm[j].y;
+          y0 = (o[4 * j + 2 * r] * vs[j - j_base].x) * inv_l[r] + vm[j - j_base].x;
+          y1 = (o[4 * j + 2 * r + 1] * vs[j - j_base].y) * inv_l[r] + vm[j - j_base].y;
         }
         piece[m] = gpu::pack2<T>(y0, y1);
       }

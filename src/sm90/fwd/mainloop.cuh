@@ -33,6 +33,7 @@ struct Mainloop {
   using PV = typename K::PV;
   using Storage = typename K::Storage;
   static constexpr int kAcc = kBlockKV / 2;
+  static_assert(PV::kSplits == 1 || !K::kOverlapPV, "a split PV MMA runs one tile at a time");
 
   RingCursor<K::kStages> ring;  // the next K/V tile's stage, over all of the CTA's items
   OnlineSoftmax<kBlockKV> softmax;
@@ -108,6 +109,16 @@ struct Mainloop {
     named_barrier_sync(NamedBarrier::key_bias(cw, K::kConsumers), 128);
   }
 
+  // Column range S of a split PV MMA (pv_operand.cuh, kSplits): issued, waited for and folded
+  // into O before the next range reuses the accumulator; the row sum comes with the last.
+  template <int S>
+  __device__ __forceinline__ void split_pv(int stage, const float (&alpha)[2]) {
+    PV::template issue<S>(pv_acc, pa, v_desc0 + stage * kVStageDesc);
+    wgmma_wait<0>();
+    PV::template fold<S>(o, pv_acc, pa, alpha);
+    if constexpr (K::kRowSumInMma && S == PV::kSplits - 1) PV::fold_row_sum(softmax.l, pv_acc, alpha);
+  }
+
   // The product of the tile whose PV MMA was waited for, into O (and l).
   __device__ __forceinline__ void fold_pv(const float (&alpha)[2]) {
     PV::fold(o, pv_acc, pa, alpha);
@@ -175,16 +186,26 @@ struct Mainloop {
     for (int it = begin; it < end; ++it, ring.advance()) {
       const int stage = ring.stage;
       mbar_wait(&s.full[stage], ring.phase);
+      // Above d = 128 the bias goes before the QK MMA: beside its 64 accumulators and O's 128
+      // the bias's registers spilled (ptxas).
+      constexpr bool kBiasFirst = D > 128;
+      if constexpr (K::kSmoothQ && kBiasFirst) compute_key_bias(it, stage);
       issue_qk(stage);
-      if constexpr (K::kSmoothQ) compute_key_bias(it, stage);
+      if constexpr (K::kSmoothQ && !kBiasFirst) compute_key_bias(it, stage);
       wgmma_wait<0>();
       reg_fence(sacc);
       float sc[kAcc], alpha[2], p_sum[2];
       tile_to_p(it, sc, alpha, p_sum);
       pack_p(sc, alpha, p_sum);
-      issue_pv(stage);
-      wgmma_wait<0>();
-      fold_pv(alpha);
+      if constexpr (PV::kSplits == 1) {
+        issue_pv(stage);
+        wgmma_wait<0>();
+        fold_pv(alpha);
+      } else {
+        static_assert(PV::kSplits == 2, "two column ranges");
+        split_pv<0>(stage, alpha);
+        split_pv<1>(stage, alpha);
+      }
       release_stage(stage);
     }
   }
