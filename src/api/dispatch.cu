@@ -295,14 +295,16 @@ void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVar
   ap.quantized_row_sum = r.row_sum == RowSum::quantized_p;
   ap.work = sm90::work_schedule(ap, D, sm90::v_bytes(v.path));  // after every field it reads
   ap.kv = quantized_kv_at(ws, w, r);
-  ap.q_stage = sm90::take_q_stage(ap, sm90::q_stage_capable(v.path, v.smooth_q), D);
+  ap.q_stage = sm90::take_q_stage(ap, sm90::q_stage_capable(v.path, v.smooth_q, D), D);
   const sm90::AttentionMaps maps = sm90::make_attention_maps(ap, D, sm90::v_bytes(v.path));
   bool launched = false;
 #define SAGE_LAUNCH_VARIANT(P, K, SQ)                                                       \
-  if (!launched && v.path == sm90::PVPath::P && v.k_scales == sm90::KScales::K &&           \
-      v.smooth_q == bool(SQ)) {                                                             \
-    sm90::launch_attention<D, T, sm90::PVPath::P, sm90::KScales::K, bool(SQ)>(ap, maps, stream); \
-    launched = true;                                                                        \
+  if constexpr (sm90::variant_has_kernel(D, sm90::PVPath::P)) {                             \
+    if (!launched && v.path == sm90::PVPath::P && v.k_scales == sm90::KScales::K &&         \
+        v.smooth_q == bool(SQ)) {                                                           \
+      sm90::launch_attention<D, T, sm90::PVPath::P, sm90::KScales::K, bool(SQ)>(ap, maps, stream); \
+      launched = true;                                                                      \
+    }                                                                                       \
   }
   SAGE_FOR_EACH_KERNEL_VARIANT(SAGE_LAUNCH_VARIANT)
 #undef SAGE_LAUNCH_VARIANT
@@ -350,9 +352,21 @@ struct Checked {
   size_t workspace;
 };
 
+// A PV path without a kernel at the head dim's tile (kernel_traits.h, variant_has_kernel).
+void check_variant_at_head_dim(const Recipe& r, const KernelVariant& v, int64_t head_dim) {
+  const int k = kernel_head_dim(int(head_dim));
+  if (!sm90::variant_has_kernel(k, v.path))
+    throw Error("recipe", "'" + r.name + "' (pv_format " + to_string(r.pv_format) +
+                              ") has no sm_90 kernel at head_dim " + std::to_string(head_dim) +
+                              " (tile " + std::to_string(k) +
+                              "): 16-bit V does not fit shared memory there; use an 8-bit "
+                              "pv_format (e4m3 or int8), or the CPU simulator");
+}
+
 Checked check_gpu_call(const AttentionArgs& args) {
   const Problem pr = check_args(args, DeviceKind::cuda);
   const KernelVariant v = check_gpu_recipe(args.recipe);
+  check_variant_at_head_dim(args.recipe, v, pr.head_dim);
   // Where the kernel takes the row sum from its PV MMA (v_ones_rows: the two-level E4M3 path
   // from d = 128) the recipe must ask for that sum, and only there.
   const int d = int(pr.head_dim);
@@ -387,6 +401,7 @@ Checked check_gpu_kv(const AttentionArgs& args) {
   const Problem pr = check_kv_args(args, DeviceKind::cuda);
   refuse_balance_in_two_steps(args.recipe, "quantize_kv");
   const KernelVariant v = check_gpu_recipe(args.recipe);
+  check_variant_at_head_dim(args.recipe, v, pr.head_dim);
   check_alignment("k", args.k, 8);
   check_alignment("v", args.v, 8);
   return {pr, v, workspace_layout(pr, v.path).total};

@@ -610,9 +610,11 @@ __device__ __forceinline__ void quantize_v_tile(const KVQuantParams& p, int tile
 // kFull: n_kv is a multiple of kBlockKV (chosen per launch: as a branch per CTA between the
 // two instantiations, ptxas took the bf16 d = 128 kernel from 80 to 124 registers). Occupancy:
 // six CTAs per SM at d = 64 (40 registers, no spills), four at d = 128 (64; it needs ~60);
-// four for the balance at d = 64 too (its scales spilled in 40 registers).
+// four for the balance at d = 64 too (its scales spilled in 40 registers). Two at d = 256,
+// whose K rows are 16 loads of 16 bytes per thread: they spilled ~800 bytes in 64 registers
+// (four CTAs), ~250 in 80 (three).
 template <int D, class T, bool kFull, bool kBalance>
-__global__ void __launch_bounds__(kThreads, D == 64 && !kBalance ? 6 : 4)
+__global__ void __launch_bounds__(kThreads, D == 64 && !kBalance ? 6 : D > 128 ? 2 : 4)
     kv_quantize_kernel(const KVQuantParams p) {
   // The transposed V tile: dynamic, sized by the launch for the path's element size, so that
   // 8-bit V does not pay fp16's shared memory in occupancy.
