@@ -437,15 +437,16 @@ TEST_F(ArgsTest, HeadDimTooLargeOnCpu) {
 
 TEST_F(ArgsTest, HeadDimNotInstantiatedOnCuda) {
   // Issue 34: every multiple of 8 from 32 to the largest kernel tile runs (a build without
-  // CUDA reports what a CUDA build of this source takes: tiles 64, 96, 128); others are refused.
+  // CUDA reports what a CUDA build of this source takes: tiles 64, 96, 128, 256); others are
+  // refused.
   Shape s;
-  for (int64_t d : {24, 36, 100, 136, 256}) {
+  for (int64_t d : {24, 36, 100, 260, 264}) {
     SCOPED_TRACE(d);
     s.head_dim = d;
     EXPECT_ARG_ERROR(make(s, Layout::HND, DType::f16, Device::cuda(0)), kCuda, "q",
-                     "head_dim must be a multiple of 8 from 32 to 128 on cuda (got " + std::to_string(d) + ")");
+                     "head_dim must be a multiple of 8 from 32 to 256 on cuda (got " + std::to_string(d) + ")");
   }
-  for (int64_t d : {32, 40, 64, 72, 80, 96, 104, 120, 128}) {
+  for (int64_t d : {32, 40, 64, 72, 80, 96, 104, 120, 128, 136, 192, 256}) {
     s.head_dim = d;
     EXPECT_EQ(check_args(make(s, Layout::HND, DType::f16, Device::cuda(0)), kCuda).head_dim, d);
   }
@@ -454,9 +455,9 @@ TEST_F(ArgsTest, HeadDimNotInstantiatedOnCuda) {
 TEST(GpuHeadDims, ListsAreConsistent) {
   // Without CUDA: the kernel tiles of kernel_traits.h, and what runs on them.
   const std::vector<int64_t> tiles = gpu_kernel_head_dim_list();
-  EXPECT_EQ(tiles, (std::vector<int64_t>{64, 96, 128}));
+  EXPECT_EQ(tiles, (std::vector<int64_t>{64, 96, 128, 256}));
   std::vector<int64_t> want;
-  for (int64_t d = 32; d <= 128; d += 8) want.push_back(d);
+  for (int64_t d = 32; d <= 256; d += 8) want.push_back(d);
   EXPECT_EQ(gpu_head_dim_list(), want);
   for (int64_t d : gpu_head_dim_list()) {
     const int k = kernel_head_dim(int(d));

@@ -32,7 +32,29 @@ std::vector<GpuCase> for_every_variant(const std::function<void(const GpuCase&, 
     base.v_per_channel = v.v_per_channel;
     make(base, cases);
   }
+  // Not the PV paths without a kernel at a head dim (gpu_has_kernel): Fp16PvIsRefusedAbove128.
+  cases.erase(std::remove_if(cases.begin(), cases.end(),
+                             [](const GpuCase& c) { return !gpu_has_kernel(c.recipe, c.head_dim); }),
+              cases.end());
   return cases;
+}
+
+// Issue 34: fp16 P and V have no kernel above d = 128 (shared memory); the call is refused
+// naming the recipe, on a tile's own head dim and on a padded one.
+TEST(Sm90Attention, Fp16PvIsRefusedAbove128) {
+  SAGE_REQUIRE_GPU();
+  std::vector<GpuCase> cases;
+  for (int64_t d : harness_head_dims())
+    for (const char* recipe : {"sage1_t", "sage1_b"}) {
+      GpuCase c;
+      c.recipe = recipe, c.head_dim = d, c.n_q = 100, c.n_kv = 130;
+      if (!gpu_has_kernel(c.recipe, d)) cases.push_back(c);
+    }
+  if (cases.empty()) GTEST_SKIP() << "no head dim above 128 in this build";
+  const std::vector<GpuResult> results = run_gpu_cases(cases);
+  for (size_t i = 0; i < cases.size(); ++i)
+    EXPECT_NE(results[i].error.find("has no sm_90 kernel at head_dim"), std::string::npos)
+        << cases[i].describe() << ": " << results[i].error;
 }
 
 TEST(Sm90Attention, EveryPresetButFp4HasAKernel) {
