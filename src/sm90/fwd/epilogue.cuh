@@ -24,22 +24,27 @@
 namespace sage::sm90 {
 
 // o: the warp's accumulator (fragment.cuh layout); inv_l / l: its two rows' normalizers;
-// v_scale, v_mean: the head's V channel scales and means (v_mean null: zeros). q_tile: the
-// warpgroup's Q tile, whose rows 16 warp .. 16 warp + 15 stage the warp's output
-// (qk_layout.cuh: rows of at least D bytes). out_rows: the output row of the warp's first row;
-// rows at or past n_rows and columns at or past head_dim (the caller's: a multiple of 8, <= D)
-// are not written. aligned16: out_rows and the row stride allow 16-byte stores (else four
-// 4-byte stores each).
+// v_scale, v_mean: the head's V channel scales and means (v_mean null: zeros). stage: the
+// warp's first row (16 x its 16 rows) in the first column block of its warpgroup's Q tile
+// (qk_layout.cuh: rows of at least D bytes in column blocks of 64 rows; the warp's rows of
+// block b are 64 rows' worth further, and 16 rows keep the swizzle's phase). out_rows: the
+// warp's first row; rows at or past n_rows and columns at or past head_dim (the caller's: a
+// multiple of 8, <= D) are not written. aligned16: out_rows and the row stride allow 16-byte
+// stores (else four 4-byte stores each).
 template <int D, class T>
 __device__ __forceinline__ void store_output_rows(const float (&o)[D / 2], const float (&inv_l)[2],
                                                   const float (&l)[2], const float* v_scale,
-                                                  const float* v_mean, int8_t* q_tile, int warp,
+                                                  const float* v_mean, int8_t* stage,
                                                   T* out_rows, int64_t row_stride, int n_rows,
                                                   int head_dim, bool aligned16, int lane) {
   using L = QKLayout<D>;
   constexpr int kHalfChunks = D / 16;  // 16-byte pieces of a half row: 8-column blocks per half
-  const uint32_t stage_addr = smem_addr(q_tile);
-  const int row0 = 16 * warp;
+  const uint32_t stage_addr = smem_addr(stage);
+  // Row `row` of the warp's slice, byte column `col`. (Addressed from the tile's rows instead,
+  // ptxas spilled the d = 128 Q-smoothing kernel.)
+  auto offset = [](int row, int col) {
+    return (col / L::kSpan) * (64 * L::kSpan) + swizzled_offset(row, col % L::kSpan, L::kSpan);
+  };
   const int t = lane % 4;
   // The channel scales and means of columns 8j + 2t, +1, all requested before the first use
   // (loaded where used, each multiply waited for its load). Loaded here, not by the caller:
@@ -49,18 +54,23 @@ __device__ __forceinline__ void store_output_rows(const float (&o)[D / 2], const
   constexpr bool kPerHalf = D > 128;
   constexpr int kLoads = kPerHalf ? D / 16 : D / 8;
   float2 vs[kLoads], vm[kLoads];
-  auto load_scales = [&](int j0) {
+  if constexpr (!kPerHalf) {
 #pragma unroll
-    for (int j = 0; j < kLoads; ++j) {
-      vs[j] = *reinterpret_cast<const float2*>(v_scale + 8 * (j0 + j) + 2 * t);
-      vm[j] = v_mean ? *reinterpret_cast<const float2*>(v_mean + 8 * (j0 + j) + 2 * t) : make_float2(0.f, 0.f);
+    for (int j = 0; j < D / 8; ++j) {
+      vs[j] = *reinterpret_cast<const float2*>(v_scale + 8 * j + 2 * t);
+      vm[j] = v_mean ? *reinterpret_cast<const float2*>(v_mean + 8 * j + 2 * t) : make_float2(0.f, 0.f);
     }
-  };
-  if constexpr (!kPerHalf) load_scales(0);
+  }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    if constexpr (kPerHalf) load_scales(half * kHalfChunks);
-    const int j_base = kPerHalf ? half * kHalfChunks : 0;  // vs[j - j_base] is block j's
+    if constexpr (kPerHalf) {
+#pragma unroll
+      for (int j = 0; j < kLoads; ++j) {
+        const int c = 8 * (half * kHalfChunks + j) + 2 * t;
+        vs[j] = *reinterpret_cast<const float2*>(v_scale + c);
+        vm[j] = v_mean ? *reinterpret_cast<const float2*>(v_mean + c) : make_float2(0.f, 0.f);
+      }
+    }
     // stmatrix x4: pieces (row half 0, block j), (1, j), (0, j + 1), (1, j + 1); lane l gives
     // the address of row l % 8 of piece l / 8.
 #pragma unroll
@@ -73,19 +83,20 @@ __device__ __forceinline__ void store_output_rows(const float (&o)[D / 2], const
         // l sums P~ * p_max: its p_max cancels the one of P's codes. Rows without keys (l = 0)
         // give 0; a NaN l (a non-finite input reached the row) gives NaN.
         if (!(l[r] <= 0.f)) {
-          y0 = (o[4 * j + 2 * r] * vs[j - j_base].x) * inv_l[r] + vm[j - j_base].x;
-          y1 = (o[4 * j + 2 * r + 1] * vs[j - j_base].y) * inv_l[r] + vm[j - j_base].y;
+          const int js = kPerHalf ? j - half * kHalfChunks : j;
+          y0 = (o[4 * j + 2 * r] * vs[js].x) * inv_l[r] + vm[js].x;
+          y1 = (o[4 * j + 2 * r + 1] * vs[js].y) * inv_l[r] + vm[js].y;
         }
         piece[m] = gpu::pack2<T>(y0, y1);
       }
       const int m = lane / 8, row = 8 * (m % 2) + lane % 8, chunk = jj + m / 2;
-      stmatrix_x4(stage_addr + L::template offset<64>(row0 + row, 16 * chunk), piece);
+      stmatrix_x4(stage_addr + offset(row, 16 * chunk), piece);
     }
     __syncwarp();
 #pragma unroll
     for (int k = 0; k < 16 * kHalfChunks / 32; ++k) {
       const int q = 32 * k + lane, row = q / kHalfChunks, chunk = q % kHalfChunks;
-      const uint4 v = ld_shared_v4(stage_addr + L::template offset<64>(row0 + row, 16 * chunk));
+      const uint4 v = ld_shared_v4(stage_addr + offset(row, 16 * chunk));
       const int col = half * (D / 2) + 8 * chunk;
       if (row < n_rows && col < head_dim) {
         T* dst = out_rows + row * row_stride + col;
@@ -122,10 +133,10 @@ __device__ __forceinline__ void run_epilogue(const AttentionParams& p, typename 
   T* out_head = static_cast<T*>(p.out) + seq.out_offset(item.b, item.h);
   const int warp_row0 = item.wg_row0 + 16 * item.warp;
   const bool aligned16 = reinterpret_cast<uintptr_t>(out_head) % 16 == 0 && p.o_stride_n % 8 == 0;
-  constexpr int kRow = QKLayout<D>::kRowBytes;  // the workspace's channels per head
-  store_output_rows<D, T>(ml.o, inv_l, l, p.kv.v_scale + item.kv_head * kRow,
-                          p.smooth_v ? p.kv.v_mean + item.kv_head * kRow : nullptr,
-                          s.q[qbuf][item.cw], item.warp,
+  using L = QKLayout<D>;  // the workspace's channels per head: L::kRowBytes
+  store_output_rows<D, T>(ml.o, inv_l, l, p.kv.v_scale + item.kv_head * L::kRowBytes,
+                          p.smooth_v ? p.kv.v_mean + item.kv_head * L::kRowBytes : nullptr,
+                          s.q[qbuf][item.cw] + 16 * item.warp * L::kSpan,
                           out_head + (int64_t)warp_row0 * p.o_stride_n, p.o_stride_n,
                           seq.n_q(item.b) - warp_row0, p.head_dim, aligned16, item.lane);
   // The buffer (Q codes and this warp's staging) goes back to the stage (the epilogue
