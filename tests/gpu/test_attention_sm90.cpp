@@ -521,6 +521,23 @@ TEST(Sm90Sanitize, EveryRecipeTwice) {
   }));
 }
 
+// Issue 34 under the sanitizers: every kernel tile other than 64 and 128 on its own head dim,
+// and a head dim zero-padded on each (the bounded Q loads and output stores, the padded
+// workspace), strided NHD so that a load or store past the caller's head dim lands in the next
+// head's row or the padding.
+TEST(Sm90Sanitize, NewHeadDims) {
+  SAGE_REQUIRE_GPU();
+  expect_cases_within_bounds(for_every_variant([](const GpuCase& base, std::vector<GpuCase>& out) {
+    for (int64_t d : harness_head_dims()) {
+      if (d == 64 || d == 128) continue;  // EveryRecipeTwice has them
+      GpuCase c = base;
+      c.heads_q = 4, c.heads_kv = 2, c.n_q = 150, c.n_kv = 200, c.causal = d % 64 != 0;
+      c.layout = Layout::NHD, c.strided = true, c.head_dim = d, c.seed = uint64_t(d);
+      out.push_back(c);
+    }
+  }));
+}
+
 // Chained work items under the sanitizers: shared memory reused from one item to the next
 // (the Q tile, Q statistics, Q smoothing's key biases) and the ring's phases across items.
 TEST(Sm90Sanitize, ChainedWorkItems) {
