@@ -44,6 +44,9 @@ struct KernelConfig {
   using KScale = KScaleOperand<kKScales>;
   using Storage = SharedStorage<D, kStages, PV::kVBytes, kQStage, PV::kOnesRows>;
   static_assert(PV::kVBytes == kTraits.v_bytes && PV::kOnesRows == kTraits.v_ones_rows);
+  // The device layout and the host's TMA maps (tma_maps.cu reads the traits) agree.
+  static_assert(QKLayout<D>::kSpan == kTraits.k_swizzle_bytes &&
+                QKLayout<D>::kRowBytes == kTraits.qk_row_bytes);
   // The opt-in maximum of dynamic shared memory per block on sm_90 (227 KiB), with the launch's
   // 1024 bytes of alignment slack.
   static_assert(sizeof(Storage) + 1024 <= 232448, "shared memory");
