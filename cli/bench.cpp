@@ -308,7 +308,7 @@ int run_bench(const std::vector<std::string>& args) {
       "--window, N*N is the number of visible query-key pairs (only unmasked work counts).\n"
       "Needs a CUDA build and a GPU of compute capability 9.0; exits 2 without one.",
       {{"recipe", "NAME[,NAME..]|all", "presets to time (default sage2_8b)"},
-       {"d", "LIST", "head dims, comma-separated (default: every head dim this build has kernels for)"},
+       {"d", "LIST", "head dims, comma-separated (default: the kernel tiles this build has, e.g. 64,96,128; any head dim the GPU takes, e.g. 80, runs zero-padded on the next tile)"},
        {"causal", "no|yes|both", "causal masking (default both)"},
        {"window", "LEFT,RIGHT", "a sliding window at every point: query i sees keys i - LEFT .. "
                                 "i + RIGHT, -1 for an unbounded side (with causal, RIGHT -1 or "
@@ -332,7 +332,7 @@ int run_bench(const std::vector<std::string>& args) {
   }
   BenchConfig c;
   c.recipes = flags.choices("recipe", "sage2_8b", names);
-  c.dims = flags.integers("d", gpu_head_dim_list(), 1, 1024);
+  c.dims = flags.integers("d", gpu_kernel_head_dim_list(), 1, 1024);  // the kernel tiles; -d takes any
   const std::string causal = flags.choice("causal", "both", {"no", "yes", "both"});
   c.causal = causal == "both" ? std::vector<std::string>{"no", "yes"}
                               : std::vector<std::string>{causal};

@@ -7,6 +7,7 @@ the wrappers are generated rather than typed. Run: python3 scripts/gen_wgmma.py
 import pathlib
 
 # (function name, n, k, accumulator type, A type, B type, C++ accumulator element)
+# n = 96: the d = 96 kernel's PV MMAs (issue 34).
 # "_rs": A from registers; "_ss": A from shared memory (a descriptor, like B).
 # An f16 accumulator packs two values per 32-bit register (uint32_t, N/4 of them); f32 and
 # s32 accumulators take one register each (N/2).
@@ -14,14 +15,18 @@ OPS = [
     ("mma_s8_ss", 64, 32, "s32", "s8", "s8", "int32_t"),
     ("mma_s8_ss", 128, 32, "s32", "s8", "s8", "int32_t"),
     ("mma_s8_rs", 64, 32, "s32", "s8", "s8", "int32_t"),
+    ("mma_s8_rs", 96, 32, "s32", "s8", "s8", "int32_t"),
     ("mma_s8_rs", 128, 32, "s32", "s8", "s8", "int32_t"),
     ("mma_e4m3_rs", 64, 32, "f32", "e4m3", "e4m3", "float"),
+    ("mma_e4m3_rs", 96, 32, "f32", "e4m3", "e4m3", "float"),
     ("mma_e4m3_rs", 128, 32, "f32", "e4m3", "e4m3", "float"),
     # d = 128 with one more n8 block of V: the row sum's column of ones (RowSum::pv_mma)
     ("mma_e4m3_rs", 136, 32, "f32", "e4m3", "e4m3", "float"),
     ("mma_e4m3_rs_f16acc", 64, 32, "f16", "e4m3", "e4m3", "uint32_t"),
+    ("mma_e4m3_rs_f16acc", 96, 32, "f16", "e4m3", "e4m3", "uint32_t"),
     ("mma_e4m3_rs_f16acc", 128, 32, "f16", "e4m3", "e4m3", "uint32_t"),
     ("mma_f16_rs_f16acc", 64, 16, "f16", "f16", "f16", "uint32_t"),
+    ("mma_f16_rs_f16acc", 96, 16, "f16", "f16", "f16", "uint32_t"),
     ("mma_f16_rs_f16acc", 128, 16, "f16", "f16", "f16", "uint32_t"),
 ]
 

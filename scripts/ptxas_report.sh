@@ -9,7 +9,7 @@ set -eu -o pipefail
 BUILD=${1:-build}
 FILTER=${2:-}
 cd "$BUILD"
-ninja -t commands src/libsage.a | grep -E "generated/sm90/attention_d[^ ]*${FILTER}[^ ]*\.cu" |
+ninja -t commands src/libsage.a | grep -E "generated/sm90/(fwd/)?attention_d[^ ]*${FILTER}[^ ]*\.cu" |
   while read -r cmd; do
     name=$(grep -oE "attention_d[^ /]*\.cu" <<< "$cmd" | head -1)
     # The same command with ptxas verbosity and the object thrown away (the last -o wins).

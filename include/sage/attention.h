@@ -107,11 +107,17 @@ bool gpu_supports(const Recipe& recipe);
 
 // True when this build has GPU kernels and a device of compute capability 9.0 is present.
 bool gpu_available();
-// The head dims this build instantiated kernels for (a build option restricts them).
+// The head dims the GPU path of this build accepts, e.g. "32, 40, ..., 128": every multiple of
+// 8 from 32 whose kernel tile (numerics/tile.h, kernel_head_dim) is instantiated; a dim between
+// tiles runs on the next one, zero-padded inside the kernel. "" in a build without CUDA.
 const char* gpu_head_dims();
-// The same as numbers; a build without CUDA gives the head dims the kernels support (those a
-// CUDA build of this source has by default).
+// The same as numbers; a build without CUDA gives the head dims a CUDA build of this source
+// accepts by default.
 std::vector<int64_t> gpu_head_dim_list();
+// The head dims with a kernel tile of their own in this build (a build option restricts them),
+// e.g. "64, 96, 128"; "" without CUDA. The list form falls back as gpu_head_dim_list does.
+const char* gpu_kernel_head_dims();
+std::vector<int64_t> gpu_kernel_head_dim_list();
 
 // ---- CPU references ----------------------------------------------------------------------
 

@@ -12,7 +12,8 @@ sagekit.compat has the reference SageAttention package's functions, with its sig
 """
 
 from . import _C
-from ._C import ArgumentError, CudaError, gpu_available, gpu_head_dims, gpu_supports
+from ._C import (ArgumentError, CudaError, gpu_available, gpu_head_dims, gpu_kernel_head_dims,
+                 gpu_supports)
 from ._recipes import presets, recipe
 from .calibration import calibrate, load_layer_choices
 from .reference import (exact, exact_backward, exact_varlen, simulate, simulate_backward,
@@ -54,7 +55,8 @@ else:
 __all__ = [
     "ArgumentError", "CudaError", "QuantizedKV", "SdpaPatch", "calibrate", "cuda_built", "exact",
     "exact_backward", "exact_varlen",
-    "gpu_available", "gpu_head_dims", "gpu_supports", "load_layer_choices", "ops", "patch_sdpa",
+    "gpu_available", "gpu_head_dims", "gpu_kernel_head_dims", "gpu_supports", "load_layer_choices",
+    "ops", "patch_sdpa",
     "presets", "quantize_kv", "recipe", "sageattn", "sageattn_quantized_kv", "sageattn_varlen",
     "scaled_dot_product_attention", "simulate", "simulate_backward", "simulate_varlen",
 ]

@@ -18,8 +18,9 @@ Where sagekit does not do what an argument asks, the call raises instead of pass
 - `smooth_v` is applied wherever it is given (the reference ignores it, with a warning, for
   most accumulators);
 - `tensor_layout` must be "HND" or "NHD" (the reference reads anything else as "HND").
-Head dims below 128 that are not 64 are zero-padded to the next kernel head dim (64 or 128)
-and the output cut back, as the reference does: exact, since zero channels change neither
+Head dims that the library does not take as they are (below 32, or not a multiple of 8) are
+zero-padded to the next one it takes and the output cut back, as the reference pads to 64 or
+128: exact, since zero channels change neither
 Q K^T nor the kept output channels, and the default scale stays 1/sqrt(original head dim).
 """
 
@@ -35,8 +36,20 @@ __all__ = ["CompatCall", "plan", "sageattn", "sageattn_qk_int8_pv_fp16_triton",
            "sageattn_qk_int8_pv_fp16_cuda", "sageattn_qk_int8_pv_fp8_cuda",
            "sageattn_qk_int8_pv_fp8_cuda_sm90", "sageattn_varlen"]
 
-# The head dims the kernels are built for; smaller ones are padded up to the next.
-_KERNEL_HEAD_DIMS = (64, 128)
+# The head dims the library takes without a copy (sagekit.gpu_head_dims(): multiples of 8 from
+# 32 up to its largest kernel tile, padded with zero channels inside the kernel, issue 34); any
+# other head dim up to the largest is zero-padded here to the next one. A build without CUDA
+# (whose list is empty) keeps what a CUDA build of this source takes.
+def _accepted_head_dims() -> tuple:
+    try:
+        from . import gpu_head_dims
+        dims = tuple(gpu_head_dims())
+    except ImportError:
+        dims = ()
+    return dims or tuple(range(32, 129, 8))
+
+
+_KERNEL_HEAD_DIMS = _accepted_head_dims()
 
 
 class CompatCall(NamedTuple):
@@ -85,7 +98,7 @@ def _head_dims(q: Any) -> tuple:
         if 0 < head_dim <= padded:
             return head_dim, padded
     raise argument_error("q", f"head_dim must be from 1 to {_KERNEL_HEAD_DIMS[-1]} (got "
-                         f"{head_dim}); smaller head dims are zero-padded to 64 or 128")
+                         f"{head_dim}); others are zero-padded to the next of {_KERNEL_HEAD_DIMS}")
 
 
 def _call(recipe: Union[str, Dict[str, Any]], q: Any, tensor_layout: Any, is_causal: Any,

@@ -638,5 +638,9 @@ NB_MODULE(_C, m) {
         "present.");
   m.def(
       "gpu_head_dims", []() { return parse_head_dims(sage::gpu_head_dims()); },
-      "The head dims this build instantiated GPU kernels for (empty without CUDA).");
+      "The head dims the GPU path of this build takes: every multiple of 8 from 32 up to its "
+      "largest kernel tile, zero-padded inside the kernel to the next tile (empty without CUDA).");
+  m.def(
+      "gpu_kernel_head_dims", []() { return parse_head_dims(sage::gpu_kernel_head_dims()); },
+      "The head dims this build instantiated GPU kernel tiles for (empty without CUDA).");
 }

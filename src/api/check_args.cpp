@@ -28,13 +28,40 @@ constexpr int64_t kGpuHeadDims[] = {SAGE_SUPPORTED_HEAD_DIMS(SAGE_HEAD_DIM_ENTRY
 
 }  // namespace
 
-std::vector<int64_t> gpu_head_dim_list() {
+std::vector<int64_t> gpu_kernel_head_dim_list() {
   std::vector<int64_t> dims;
-  std::istringstream is(gpu_head_dims());
+  std::istringstream is(gpu_kernel_head_dims());
   std::string item;
   while (std::getline(is, item, ',')) dims.push_back(std::stoll(item));
   if (dims.empty()) dims.assign(std::begin(kGpuHeadDims), std::end(kGpuHeadDims));
   return dims;
+}
+
+namespace {
+// Issue 34: the smallest head dim the GPU path takes (below it the d = 64 tile would be mostly
+// padding; 32 is the smallest real models use) and the step (16-byte rows of fp16/bf16, the
+// unit of the kernels' bounded loads and stores).
+constexpr int64_t kGpuMinHeadDim = 32, kGpuHeadDimStep = 8;
+// Every head dim that runs on one of the kernel tiles `kernels`.
+std::vector<int64_t> accepted_head_dims(const std::vector<int64_t>& kernels) {
+  std::vector<int64_t> dims;
+  for (int64_t d = kGpuMinHeadDim; d <= 256; d += kGpuHeadDimStep)
+    for (int64_t k : kernels)
+      if (k == kernel_head_dim(int(d))) dims.push_back(d);
+  return dims;
+}
+}  // namespace
+
+std::vector<int64_t> gpu_head_dim_list() { return accepted_head_dims(gpu_kernel_head_dim_list()); }
+
+const char* gpu_head_dims() {
+  static const std::string s = [] {
+    std::string out;
+    if (*gpu_kernel_head_dims() == '\0') return out;  // no CUDA: as gpu_kernel_head_dims
+    for (int64_t d : gpu_head_dim_list()) out += (out.empty() ? "" : ", ") + std::to_string(d);
+    return out;
+  }();
+  return s.c_str();
 }
 
 namespace {
@@ -249,12 +276,18 @@ Problem check_args(const AttentionArgs& a, DeviceKind device) {
       throw Error("q", "head_dim must be at most " + num(kCpuMaxHeadDim) + " on cpu (got " +
                            num(q.head_dim) + ")");
   } else {
-    bool supported = false;
+    const std::vector<int64_t> dims = gpu_head_dim_list();
+    bool supported = false, steps = true;  // steps: dims are every multiple of 8 in a range
     std::string list;
-    for (int64_t d : gpu_head_dim_list()) {
-      supported = supported || d == q.head_dim;
-      list += (list.empty() ? "" : ", ") + num(d);
+    for (size_t i = 0; i < dims.size(); ++i) {
+      supported = supported || dims[i] == q.head_dim;
+      steps = steps && (i == 0 || dims[i] == dims[i - 1] + kGpuHeadDimStep);
+      list += (list.empty() ? "" : ", ") + num(dims[i]);
     }
+    if (!supported && steps && !dims.empty())
+      throw Error("q", "head_dim must be a multiple of " + num(kGpuHeadDimStep) + " from " +
+                           num(dims.front()) + " to " + num(dims.back()) + " on cuda (got " +
+                           num(q.head_dim) + ")");
     if (!supported)
       throw Error("q", "head_dim must be one of " + list + " on cuda (got " + num(q.head_dim) + ")");
   }

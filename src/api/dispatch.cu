@@ -137,7 +137,9 @@ WorkspaceLayout workspace_layout(const Problem& pr, sm90::PVPath path) {
   WorkspaceLayout w{};
   w.n_pad = int(std::max<int64_t>(1, ceil_div(pr.n_kv, sm90::kBlockKV)) * sm90::kBlockKV);
   const size_t heads = size_t(pr.batch) * pr.heads_kv;
-  const size_t d = size_t(pr.head_dim);
+  // The workspace's channels per head: the caller's head dim padded with zero channels
+  // (quant/kv_layout.h).
+  const size_t d = size_t(quant::kv_layout_head_dim(int(pr.head_dim)));
   size_t off = 0;
   auto take = [&](size_t bytes) {
     const size_t at = off;
@@ -204,6 +206,7 @@ const float* measure_q_channel_range(const AttentionArgs& args, const Problem& p
   qr.q_stride_b = qs.b, qr.q_stride_h = qs.h, qr.q_stride_n = qs.n;
   qr.batch = int(pr.batch), qr.heads_q = int(pr.heads_q), qr.heads_kv = int(pr.heads_kv);
   qr.n_q = int(pr.n_q);
+  qr.head_dim = int(pr.head_dim);
   qr.stride = args.recipe.k_mean_stride;
   qr.q_amax = reinterpret_cast<float*>(q_amax);
   quant::launch_q_channel_range<D, T>(qr, stream);
@@ -226,6 +229,7 @@ void run_quantize_kv(const AttentionArgs& args, const Problem& pr, const KernelV
   qp.v_stride_b = vs.b, qp.v_stride_h = vs.h, qp.v_stride_n = vs.n;
   qp.batch = int(pr.batch), qp.heads_kv = int(pr.heads_kv), qp.n_kv = int(pr.n_kv);
   qp.n_pad = w.n_pad;
+  qp.head_dim = int(pr.head_dim);
   qp.k_granularity = r.qk_granularity;
   qp.k_max = qk_format_max(r);
   qp.smooth_k = r.smooth_k, qp.smooth_v = r.smooth_v;
@@ -286,18 +290,21 @@ void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVar
   ap.causal = args.causal || pr.window_right >= 0;
   ap.smooth_k = r.smooth_k, ap.smooth_v = r.smooth_v;
   ap.window_left = int(pr.window_left), ap.window_right = int(pr.window_right);
+  ap.head_dim = int(pr.head_dim);
   ap.smooth_q = r.smooth_q;
   ap.quantized_row_sum = r.row_sum == RowSum::quantized_p;
   ap.work = sm90::work_schedule(ap, D, sm90::v_bytes(v.path));  // after every field it reads
   ap.kv = quantized_kv_at(ws, w, r);
-  ap.q_stage = sm90::take_q_stage(ap, sm90::q_stage_capable(v.path, v.smooth_q), D);
+  ap.q_stage = sm90::take_q_stage(ap, sm90::q_stage_capable(v.path, v.smooth_q, D), D);
   const sm90::AttentionMaps maps = sm90::make_attention_maps(ap, D, sm90::v_bytes(v.path));
   bool launched = false;
 #define SAGE_LAUNCH_VARIANT(P, K, SQ)                                                       \
-  if (!launched && v.path == sm90::PVPath::P && v.k_scales == sm90::KScales::K &&           \
-      v.smooth_q == bool(SQ)) {                                                             \
-    sm90::launch_attention<D, T, sm90::PVPath::P, sm90::KScales::K, bool(SQ)>(ap, maps, stream); \
-    launched = true;                                                                        \
+  if constexpr (sm90::variant_has_kernel(D, sm90::PVPath::P)) {                             \
+    if (!launched && v.path == sm90::PVPath::P && v.k_scales == sm90::KScales::K &&         \
+        v.smooth_q == bool(SQ)) {                                                           \
+      sm90::launch_attention<D, T, sm90::PVPath::P, sm90::KScales::K, bool(SQ)>(ap, maps, stream); \
+      launched = true;                                                                      \
+    }                                                                                       \
   }
   SAGE_FOR_EACH_KERNEL_VARIANT(SAGE_LAUNCH_VARIANT)
 #undef SAGE_LAUNCH_VARIANT
@@ -308,26 +315,32 @@ void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVar
 enum class Step { quantize_kv, attention };
 
 // Picks the (head dim, dtype) instantiation. The kernels' T is the fp16/bf16 type of the
-// inputs, or of the output when the inputs are prequantized INT8.
+// inputs, or of the output when the inputs are prequantized INT8. The pre-pass runs at the
+// workspace's row size (quant::kv_layout_head_dim), the attention kernel on the tile of
+// kernel_head_dim (tile.h); both bound their reads of the caller's tensors by its head dim.
 void run_step(Step step, const AttentionArgs& args, const Problem& pr, const KernelVariant& v,
               uint8_t* ws, cudaStream_t s) {
   const bool preq = args.recipe.inputs == Inputs::prequantized_int8;
   // quantize_kv of prequantized inputs never reads T; any instantiation serves.
   const DType t = preq ? (step == Step::attention ? args.out.dtype : DType::f16) : args.k.dtype;
   const bool bf16 = t == DType::bf16;
-#define SAGE_DISPATCH_DIM(D)                                                               \
-  if (pr.head_dim == D) {                                                                  \
-    if (step == Step::quantize_kv) {                                                       \
-      if (bf16) run_quantize_kv<D, __nv_bfloat16>(args, pr, v, ws, s);                     \
-      else run_quantize_kv<D, __half>(args, pr, v, ws, s);                                 \
-    } else {                                                                               \
-      if (bf16) run_attention<D, __nv_bfloat16>(args, pr, v, ws, s);                       \
-      else run_attention<D, __half>(args, pr, v, ws, s);                                   \
-    }                                                                                      \
+  const int d = int(pr.head_dim);
+#define SAGE_DISPATCH_KV_DIM(D)                                                            \
+  if (step == Step::quantize_kv && d % 8 == 0 && quant::kv_layout_head_dim(d) == D) {      \
+    if (bf16) run_quantize_kv<D, __nv_bfloat16>(args, pr, v, ws, s);                       \
+    else run_quantize_kv<D, __half>(args, pr, v, ws, s);                                   \
     return;                                                                                \
   }
+#define SAGE_DISPATCH_DIM(D)                                                               \
+  if (step == Step::attention && d % 8 == 0 && kernel_head_dim(d) == D) {                  \
+    if (bf16) run_attention<D, __nv_bfloat16>(args, pr, v, ws, s);                         \
+    else run_attention<D, __half>(args, pr, v, ws, s);                                     \
+    return;                                                                                \
+  }
+  SAGE_FOR_EACH_KV_LAYOUT_DIM(SAGE_DISPATCH_KV_DIM)
   SAGE_FOR_EACH_HEAD_DIM(SAGE_DISPATCH_DIM)
 #undef SAGE_DISPATCH_DIM
+#undef SAGE_DISPATCH_KV_DIM
   throw Error(step == Step::attention ? "q" : "k",
               "head_dim " + std::to_string(pr.head_dim) + " has no kernel in this build (built: " +
                   SAGE_HEAD_DIMS_STRING + ")");
@@ -339,13 +352,25 @@ struct Checked {
   size_t workspace;
 };
 
+// A PV path without a kernel at the head dim's tile (kernel_traits.h, variant_has_kernel).
+void check_variant_at_head_dim(const Recipe& r, const KernelVariant& v, int64_t head_dim) {
+  const int k = kernel_head_dim(int(head_dim));
+  if (!sm90::variant_has_kernel(k, v.path))
+    throw Error("recipe", "'" + r.name + "' (pv_format " + to_string(r.pv_format) +
+                              ") has no sm_90 kernel at head_dim " + std::to_string(head_dim) +
+                              " (tile " + std::to_string(k) +
+                              "): 16-bit V does not fit shared memory there; use an 8-bit "
+                              "pv_format (e4m3 or int8), or the CPU simulator");
+}
+
 Checked check_gpu_call(const AttentionArgs& args) {
   const Problem pr = check_args(args, DeviceKind::cuda);
   const KernelVariant v = check_gpu_recipe(args.recipe);
+  check_variant_at_head_dim(args.recipe, v, pr.head_dim);
   // Where the kernel takes the row sum from its PV MMA (v_ones_rows: the two-level E4M3 path
   // from d = 128) the recipe must ask for that sum, and only there.
   const int d = int(pr.head_dim);
-  const bool kernel_mma_sum = sm90::v_ones_rows(d, v.path) > 0;
+  const bool kernel_mma_sum = sm90::v_ones_rows(kernel_head_dim(d), v.path) > 0;
   if (kernel_mma_sum != rules::row_sum_in_pv_mma(args.recipe, d)) {
     if (!kernel_mma_sum)
       throw std::logic_error("sage: internal error: rules::row_sum_in_pv_mma holds for recipe '" +
@@ -376,6 +401,7 @@ Checked check_gpu_kv(const AttentionArgs& args) {
   const Problem pr = check_kv_args(args, DeviceKind::cuda);
   refuse_balance_in_two_steps(args.recipe, "quantize_kv");
   const KernelVariant v = check_gpu_recipe(args.recipe);
+  check_variant_at_head_dim(args.recipe, v, pr.head_dim);
   check_alignment("k", args.k, 8);
   check_alignment("v", args.v, 8);
   return {pr, v, workspace_layout(pr, v.path).total};
@@ -456,6 +482,6 @@ bool gpu_available() {
   return major == 9 && minor == 0;
 }
 
-const char* gpu_head_dims() { return SAGE_HEAD_DIMS_STRING; }
+const char* gpu_kernel_head_dims() { return SAGE_HEAD_DIMS_STRING; }
 
 }  // namespace sage

@@ -9,6 +9,7 @@
 
 #include "numerics/config.h"
 #include "numerics/formats.h"
+#include "numerics/tile.h"
 #include "sage/recipe.h"
 
 namespace sage::rules {
@@ -126,7 +127,7 @@ inline bool p_scale_in_exponent(const Recipe& r) {
 // 256): there c + k is exact for the group holding the row max (c = -2^24 mult, a multiple
 // of ulp(c) <= 2^tz(k), from mult >= k 2^-24 up), so its max key keeps P~ = 1 exactly. +inf for
 // k = 0 (fp16 P: adding 0), 0 (never) for a p_scale that is no power of two (k rounded) and
-// below head dim 128: there the fold's extra live values made ptxas spill, while the add
+// below head dim 128 (the kernel's, tile.h kernel_head_dim): there the fold's extra live values made ptxas spill, while the add
 // alone gained (v25, v25b in docs/history/README.md).
 struct PScaleFold {
   float k = 0.f;           // log2(p_scale) as a float (exact for a power of two)
@@ -135,7 +136,8 @@ struct PScaleFold {
 constexpr int kPScaleFoldMinHeadDim = 128;
 inline PScaleFold p_scale_fold(float p_scale, int head_dim) {
   int e = 0;
-  if (!(p_scale >= 1.f) || std::frexp(p_scale, &e) != 0.5f || head_dim < kPScaleFoldMinHeadDim)
+  if (!(p_scale >= 1.f) || std::frexp(p_scale, &e) != 0.5f ||
+      kernel_head_dim(head_dim) < kPScaleFoldMinHeadDim)
     return {std::log2(p_scale), 0.f};
   const int k = e - 1;
   if (k == 0) return {0.f, INFINITY};
@@ -151,11 +153,12 @@ SAGE_HD bool p_scale_folds(float mult, float mult_limit) { return mult < mult_li
 // float sum of P~ (one FADD per score, the issue slots that bind the kernel) goes away (v26,
 // docs/history/README.md). Below, the recipe sums the unquantized P~ as float_p does: at
 // d = 64 the n = 72 MMA's extra registers made ptxas spill (v19d). Only E4M3 P with two-level
-// accumulation has such a kernel.
+// accumulation has such a kernel. The threshold is on the kernel's head dim (tile.h,
+// kernel_head_dim): d = 97..127 runs on the 128 kernel and takes its MMA's sum; 96 does not.
 constexpr int kRowSumMmaMinHeadDim = 128;
 inline bool row_sum_in_pv_mma(const Recipe& r, int head_dim) {
   return r.row_sum == RowSum::pv_mma && r.pv_format == PVFormat::e4m3 &&
-         r.pv_accum == PVAccum::two_level && head_dim >= kRowSumMmaMinHeadDim;
+         r.pv_accum == PVAccum::two_level && kernel_head_dim(head_dim) >= kRowSumMmaMinHeadDim;
 }
 
 // The largest value of a P/V format: what a static scale maps a maximum to.

@@ -10,6 +10,17 @@ namespace sage::quant {
 
 // Tokens per K/V tile of the layout (the attention kernels' K/V pipeline block).
 constexpr int kKVTile = 128;
+// Channels per K row and per V head in the workspace for head dim d: the pre-pass runs at this
+// size (64, 128 or 256), writing zeros into the channels from d on, and every kernel reads rows
+// of this many channels. The workspace is the library's own buffer: padding it costs no copy of
+// the caller's tensors, and it gives the d = 96 kernel whole 128-byte K rows (one 128B swizzle
+// span: TMA boxes and MMA descriptors as at d = 128) and the pre-pass power-of-two lanes per
+// row. Channels past d are zero in K and V, so they add nothing to a score or an output column
+// and change no scale (a maximum over |0|).
+constexpr int kv_layout_head_dim(int head_dim) {
+  return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
+}
+
 // Per-thread K scale groups per tile (numerics/tile.h); other granularities store one per
 // tile in the same slots.
 constexpr int kKScalesPerTile = 4;
@@ -51,6 +62,9 @@ struct KVQuantParams {
   Granularity k_granularity;
   int k_max;  // the largest K code: 127 (int8) or 7 (int4 values)
   bool smooth_k, smooth_v;
+  // The caller's head dim (a multiple of 8, at most the pre-pass's D = kv_layout_head_dim):
+  // channels from it on are read as zeros, so the workspace's padding channels are zero.
+  int head_dim;
   int k_mean_stride;  // K's statistics over keys 0, stride, ... (recipe.k_mean_stride)
   // Set by launch_kv_prepass: the keys the stride samples, and the statistics CTAs (of each
   // head's cluster) that read them.

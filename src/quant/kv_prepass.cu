@@ -168,12 +168,15 @@ __global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
   // too (as a loop of single loads, a thread waited for one round trip per row, one after
   // another: v29).
   const int first = (is_v ? rank - k_ctas : rank) * kRowsPerIter + r0;
+  // Channels past the caller's head dim (the workspace's padding, kv_layout.h) count as zeros.
+  const bool lane_in = lane_c * 8 < p.head_dim;
   for (int t = first; t < rows; t += kStatsUnroll * step) {
     uint4 raw[kStatsUnroll];
 #pragma unroll
     for (int u = 0; u < kStatsUnroll; ++u)
       if (t + u * step < rows)
-        raw[u] = *reinterpret_cast<const uint4*>(base + int64_t(t + u * step) * row_pitch);
+        raw[u] = lane_in ? *reinterpret_cast<const uint4*>(base + int64_t(t + u * step) * row_pitch)
+                         : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int u = 0; u < kStatsUnroll; ++u)
       if (t + u * step < rows) st.add(raw[u]);
@@ -325,12 +328,13 @@ __device__ __forceinline__ void quantize_k_tile(const KVQuantParams& p, int tile
   __shared__ float s_kinv[kKVTile];  // per token, or the tile's per-thread groups
 
   const T* kb = static_cast<const T*>(p.k) + b * p.k_stride_b + h * p.k_stride_h + lane_c * 8;
+  const bool lane_in = lane_c * 8 < p.head_dim;  // else the workspace's zero channels
   uint4 raw[kRows];
 #pragma unroll
   for (int i = 0; i < kRows; ++i) {
     const int t = tile * kKVTile + r0 + i * kRowsPerIter;
     // Zeros past n_kv: padding never counts toward a scale.
-    raw[i] = kFull || t < p.n_kv
+    raw[i] = (kFull || t < p.n_kv) && lane_in
                  ? *reinterpret_cast<const uint4*>(kb + (int64_t)t * p.k_stride_n)
                  : make_uint4(0, 0, 0, 0);
   }
@@ -550,8 +554,8 @@ __device__ __forceinline__ void quantize_v_tile(const KVQuantParams& p, int tile
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int t = tile * kKVTile + token_at(unit_quad(k), i);
-      // Zeros past n_kv: padding never counts toward a scale.
-      raw[k][i] = kFull || t < p.n_kv ? *reinterpret_cast<const uint4*>(
+      // Zeros past n_kv (padding never counts toward a scale) and past the head dim.
+      raw[k][i] = (kFull || t < p.n_kv) && unit_chunk(k) * 8 < p.head_dim ? *reinterpret_cast<const uint4*>(
                                             vb + (int64_t)t * p.v_stride_n + unit_chunk(k) * 8)
                                       : make_uint4(0, 0, 0, 0);
     }
@@ -606,9 +610,11 @@ __device__ __forceinline__ void quantize_v_tile(const KVQuantParams& p, int tile
 // kFull: n_kv is a multiple of kBlockKV (chosen per launch: as a branch per CTA between the
 // two instantiations, ptxas took the bf16 d = 128 kernel from 80 to 124 registers). Occupancy:
 // six CTAs per SM at d = 64 (40 registers, no spills), four at d = 128 (64; it needs ~60);
-// four for the balance at d = 64 too (its scales spilled in 40 registers).
+// four for the balance at d = 64 too (its scales spilled in 40 registers). Two at d = 256,
+// whose K rows are 16 loads of 16 bytes per thread: they spilled ~800 bytes in 64 registers
+// (four CTAs), ~250 in 80 (three).
 template <int D, class T, bool kFull, bool kBalance>
-__global__ void __launch_bounds__(kThreads, D == 64 && !kBalance ? 6 : 4)
+__global__ void __launch_bounds__(kThreads, D == 64 && !kBalance ? 6 : D > 128 ? 2 : 4)
     kv_quantize_kernel(const KVQuantParams p) {
   // The transposed V tile: dynamic, sized by the launch for the path's element size, so that
   // 8-bit V does not pay fp16's shared memory in occupancy.
@@ -640,7 +646,7 @@ __global__ void __launch_bounds__(kThreads) kv_copy_prequantized_kernel(const KV
   if (tile == 0 && threadIdx.x < D) {
     const int c = threadIdx.x;
     const float* vs = p.v_scale_in + b * p.vs_stride_b + h * p.vs_stride_h;
-    p.out.v_scale[head * D + c] = p.v_per_tensor ? vs[0] : vs[c * p.vs_stride_c];
+    p.out.v_scale[head * D + c] = c >= p.head_dim ? 0.f : p.v_per_tensor ? vs[0] : vs[c * p.vs_stride_c];
     p.out.k_mean[head * D + c] = 0.f;
     p.out.v_mean[head * D + c] = 0.f;
   }
@@ -657,7 +663,7 @@ __global__ void __launch_bounds__(kThreads) kv_copy_prequantized_kernel(const KV
     const int r = r0 + i * kRowsPerIter;
     const int t = tile * kKVTile + r;
     uint2 kw = make_uint2(0, 0), vw = make_uint2(0, 0);
-    if (t < p.n_kv) {
+    if (t < p.n_kv && lane_c * 8 < p.head_dim) {
       kw = *reinterpret_cast<const uint2*>(kb + (int64_t)t * p.k_stride_n);
       vw = *reinterpret_cast<const uint2*>(vb + (int64_t)t * p.v_stride_n);
     }
@@ -712,6 +718,6 @@ void launch_kv_prepass(const KVQuantParams& p, cudaStream_t stream) {
 #define SAGE_INSTANTIATE_PREPASS(D)                                                        \
   template void launch_kv_prepass<D, __half>(const KVQuantParams&, cudaStream_t);   \
   template void launch_kv_prepass<D, __nv_bfloat16>(const KVQuantParams&, cudaStream_t);
-SAGE_FOR_EACH_HEAD_DIM(SAGE_INSTANTIATE_PREPASS)
+SAGE_FOR_EACH_KV_LAYOUT_DIM(SAGE_INSTANTIATE_PREPASS)
 
 }  // namespace sage::quant

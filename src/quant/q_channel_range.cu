@@ -47,14 +47,14 @@ __global__ void __launch_bounds__(kThreads) q_channel_range_kernel(const QRangeP
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int row = r + u * step;
-      if (row < rows) {
+      if (row < rows && lane_c * 8 < p.head_dim) {
         const int hq = h * group + row / p.samples, t = (row % p.samples) * p.stride;
         raw[u] = *reinterpret_cast<const uint4*>(base + hq * p.q_stride_h + int64_t(t) * p.q_stride_n);
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
-      if (r + u * step < rows) {
+      if (r + u * step < rows && lane_c * 8 < p.head_dim) {
         m[0] = max_abs<T>(m[0], raw[u].x), m[1] = max_abs<T>(m[1], raw[u].y);
         m[2] = max_abs<T>(m[2], raw[u].z), m[3] = max_abs<T>(m[3], raw[u].w);
       }
@@ -110,6 +110,6 @@ void launch_q_channel_range(const QRangeParams& p, cudaStream_t stream) {
 #define SAGE_INSTANTIATE_Q_RANGE(D)                                                     \
   template void launch_q_channel_range<D, __half>(const QRangeParams&, cudaStream_t); \
   template void launch_q_channel_range<D, __nv_bfloat16>(const QRangeParams&, cudaStream_t);
-SAGE_FOR_EACH_HEAD_DIM(SAGE_INSTANTIATE_Q_RANGE)
+SAGE_FOR_EACH_KV_LAYOUT_DIM(SAGE_INSTANTIATE_Q_RANGE)
 
 }  // namespace sage::quant

@@ -19,9 +19,10 @@ struct QRangeParams {
   const void* q;                           // fp16/bf16 [B, Hq, Nq, D] through the strides
   int64_t q_stride_b, q_stride_h, q_stride_n;  // in elements
   int batch, heads_q, heads_kv, n_q;
+  int head_dim;  // the caller's (a multiple of 8, <= D): channels from it on read as zeros
   int stride;  // the tokens read: 0, stride, 2 stride, ... of each head (recipe.k_mean_stride)
   int samples;  // how many that is per head (set by the launch)
-  float* q_amax;  // [B, Hkv, D]: written here (zeroed first by the launch)
+  float* q_amax;  // [B, Hkv, D] (D: kv_layout_head_dim): written here (zeroed first by the launch)
 };
 
 template <int D, class T>

@@ -47,6 +47,23 @@ std::vector<Variant> variants() {
   return out;
 }
 
+bool gpu_has_kernel(const std::string& recipe, int64_t head_dim) {
+  return !(preset(recipe).pv_format == PVFormat::fp16 && kernel_head_dim(int(head_dim)) > 128);
+}
+
+std::vector<int64_t> harness_head_dims() {
+  const std::vector<int64_t> accepted = gpu_head_dim_list();
+  std::vector<int64_t> dims;
+  for (int64_t k : gpu_kernel_head_dim_list()) {
+    dims.push_back(k);
+    for (int64_t padded : {40, 80, 112, 192})
+      if (kernel_head_dim(int(padded)) == k &&
+          std::find(accepted.begin(), accepted.end(), padded) != accepted.end())
+        dims.push_back(padded);
+  }
+  return dims;
+}
+
 const std::vector<std::string>& gpu_presets() {
   static const std::vector<std::string> names = [] {
     std::vector<std::string> out;

@@ -32,7 +32,29 @@ std::vector<GpuCase> for_every_variant(const std::function<void(const GpuCase&, 
     base.v_per_channel = v.v_per_channel;
     make(base, cases);
   }
+  // Not the PV paths without a kernel at a head dim (gpu_has_kernel): Fp16PvIsRefusedAbove128.
+  cases.erase(std::remove_if(cases.begin(), cases.end(),
+                             [](const GpuCase& c) { return !gpu_has_kernel(c.recipe, c.head_dim); }),
+              cases.end());
   return cases;
+}
+
+// Issue 34: fp16 P and V have no kernel above d = 128 (shared memory); the call is refused
+// naming the recipe, on a tile's own head dim and on a padded one.
+TEST(Sm90Attention, Fp16PvIsRefusedAbove128) {
+  SAGE_REQUIRE_GPU();
+  std::vector<GpuCase> cases;
+  for (int64_t d : harness_head_dims())
+    for (const char* recipe : {"sage1_t", "sage1_b"}) {
+      GpuCase c;
+      c.recipe = recipe, c.head_dim = d, c.n_q = 100, c.n_kv = 130;
+      if (!gpu_has_kernel(c.recipe, d)) cases.push_back(c);
+    }
+  if (cases.empty()) GTEST_SKIP() << "no head dim above 128 in this build";
+  const std::vector<GpuResult> results = run_gpu_cases(cases);
+  for (size_t i = 0; i < cases.size(); ++i)
+    EXPECT_NE(results[i].error.find("has no sm_90 kernel at head_dim"), std::string::npos)
+        << cases[i].describe() << ": " << results[i].error;
 }
 
 TEST(Sm90Attention, EveryPresetButFp4HasAKernel) {
@@ -99,7 +121,7 @@ TEST(Sm90Attention, BatchLayoutsDtypesHeadDims) {
     for (int64_t batch : {1, 3})
       for (Layout layout : {Layout::HND, Layout::NHD})
         for (DType dt : {DType::f16, DType::bf16})
-          for (int64_t d : gpu_head_dim_list()) {
+          for (int64_t d : harness_head_dims()) {
             GpuCase c = base;
             c.batch = batch, c.layout = layout, c.dtype = dt, c.head_dim = d;
             c.n_q = 150, c.n_kv = 333, c.heads_q = 4, c.heads_kv = 2;
@@ -146,7 +168,7 @@ TEST(Sm90Attention, ChannelBalanceOnEveryRecipe) {
   SAGE_REQUIRE_GPU();
   std::vector<GpuCase> cases = for_every_variant([](const GpuCase& base, std::vector<GpuCase>& out) {
     if (base.prequantized()) return;
-    for (int64_t d : gpu_head_dim_list())
+    for (int64_t d : harness_head_dims())
       for (bool causal : {false, true})
         for (const char* dist : {"channel_offset", "normal"}) {
           GpuCase c = base;
@@ -169,7 +191,7 @@ TEST(Sm90Attention, ChannelBalanceOnEveryRecipe) {
 TEST(Sm90Attention, PScaleInTheExponentOffThePresets) {
   SAGE_REQUIRE_GPU();
   std::vector<GpuCase> cases;
-  for (int64_t d : gpu_head_dim_list())
+  for (int64_t d : harness_head_dims())
     for (bool causal : {false, true}) {
       GpuCase c;
       c.head_dim = d, c.causal = causal, c.n_q = 200, c.n_kv = 300, c.seed = uint64_t(d + causal);
@@ -499,6 +521,23 @@ TEST(Sm90Sanitize, EveryRecipeTwice) {
   }));
 }
 
+// Issue 34 under the sanitizers: every kernel tile other than 64 and 128 on its own head dim,
+// and a head dim zero-padded on each (the bounded Q loads and output stores, the padded
+// workspace), strided NHD so that a load or store past the caller's head dim lands in the next
+// head's row or the padding.
+TEST(Sm90Sanitize, NewHeadDims) {
+  SAGE_REQUIRE_GPU();
+  expect_cases_within_bounds(for_every_variant([](const GpuCase& base, std::vector<GpuCase>& out) {
+    for (int64_t d : harness_head_dims()) {
+      if (d == 64 || d == 128) continue;  // EveryRecipeTwice has them
+      GpuCase c = base;
+      c.heads_q = 4, c.heads_kv = 2, c.n_q = 150, c.n_kv = 200, c.causal = d % 64 != 0;
+      c.layout = Layout::NHD, c.strided = true, c.head_dim = d, c.seed = uint64_t(d);
+      out.push_back(c);
+    }
+  }));
+}
+
 // Chained work items under the sanitizers: shared memory reused from one item to the next
 // (the Q tile, Q statistics, Q smoothing's key biases) and the ring's phases across items.
 TEST(Sm90Sanitize, ChainedWorkItems) {
@@ -510,7 +549,7 @@ TEST(Sm90Sanitize, ChainedWorkItems) {
   for (const auto order : {sm90::WorkOrderOverride::grouped, sm90::WorkOrderOverride::strided}) {
     PinnedWorkItems chained(order == sm90::WorkOrderOverride::strided ? 4 : 3, order);
     expect_cases_within_bounds(for_every_variant([](const GpuCase& base, std::vector<GpuCase>& out) {
-      for (int64_t d : gpu_head_dim_list()) {
+      for (int64_t d : harness_head_dims()) {
         GpuCase c = base;
         c.heads_q = 4, c.heads_kv = 2, c.n_q = 700, c.n_kv = 300, c.causal = true, c.head_dim = d;
         out.push_back(c);

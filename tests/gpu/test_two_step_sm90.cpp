@@ -57,6 +57,29 @@ std::vector<GpuCase> cases_for(const std::string& recipe) {
   return {a, b};
 }
 
+// Issue 34: the padded workspace (kv_layout_head_dim channels per head) sized by
+// kv_workspace_bytes, filled by quantize_kv and read by the kernel of each tile, as in one call.
+TEST(Sm90TwoStep, NewHeadDimsBitForBit) {
+  SAGE_REQUIRE_GPU();
+  for (int64_t d : harness_head_dims())
+    for (const char* recipe : {"sage2_8b", "sage2pp_8b", "int_flash"}) {
+      if (d == 64 || d == 128) continue;  // QuantizeThenAttendEqualsOneCallBitForBit
+      GpuCase c = cases_for(recipe)[1];
+      c.head_dim = d;
+      CaseTensors t(c);
+      const AttentionArgs a = t.device_args();
+      const size_t bytes = workspace_bytes(a);
+      EXPECT_EQ(bytes, kv_bytes(c)) << c.describe();
+      const Output want = one_call(t, a);
+      DeviceWorkspace ws(bytes);
+      quantize_only_kv(a, ws);
+      attention_from_quantized_kv(a, ws.get(), ws.bytes(), nullptr);
+      const Output got = collect(t);
+      EXPECT_TRUE(got.out == want.out) << c.describe() << ": output differs from attention()";
+      EXPECT_TRUE(got.lse == want.lse) << c.describe() << ": LSE differs from attention()";
+    }
+}
+
 TEST(Sm90TwoStep, QuantizeThenAttendEqualsOneCallBitForBit) {
   SAGE_REQUIRE_GPU();
   // One preset of each kernel family: per-thread INT8 with FP8 PV, per-token INT8 with fp16 PV

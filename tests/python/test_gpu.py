@@ -7,7 +7,7 @@ elsewhere each one is skipped with that reason (shown by `pytest -rs`).
 import pytest
 
 import sagekit
-from conftest import GPU_REASON, HAS_TORCH, cosine, needs_gpu, rel_l1
+from conftest import GPU_REASON, HAS_TORCH, cosine, gpu_test_head_dims, needs_gpu, rel_l1
 
 pytestmark = needs_gpu
 
@@ -37,11 +37,14 @@ def _np(t):
 
 def test_gpu_build_is_complete():
     assert sagekit.gpu_available(), GPU_REASON
-    assert 64 in sagekit.gpu_head_dims() and 128 in sagekit.gpu_head_dims()
+    assert 64 in sagekit.gpu_kernel_head_dims() and 128 in sagekit.gpu_kernel_head_dims()
+    # Every multiple of 8 from 32 to the largest tile runs (issue 34).
+    top = max(sagekit.gpu_kernel_head_dims())
+    assert sagekit.gpu_head_dims() == list(range(32, top + 1, 8))
     assert hasattr(torch.ops.sagekit, "attention")
 
 
-@pytest.mark.parametrize("d", sagekit.gpu_head_dims())  # every head dim this build has kernels for
+@pytest.mark.parametrize("d", gpu_test_head_dims())  # the tiles and a padded dim on each
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_sageattn_matches_simulate_and_exact(d, causal, dtype):
@@ -113,7 +116,7 @@ def test_non_contiguous_head_dim_is_refused_by_name():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", sagekit.gpu_head_dims())  # every head dim this build has kernels for
+@pytest.mark.parametrize("d", gpu_test_head_dims())  # the tiles and a padded dim on each
 def test_sdpa_drop_in_matches_torch(dtype, causal, d):
     dt = getattr(torch, dtype)
     q, k, v = _qkv(b=2, hq=8, hkv=8, nq=1024, nkv=1024, d=d, dtype=dt, seed=1)
@@ -331,7 +334,7 @@ def test_auto_recipe_on_this_gpu_is_balanced_sage2():
     assert resolve_auto("auto", q.device, two_step=True) == "sage2_8b"
 
 
-@pytest.mark.parametrize("d", sagekit.gpu_head_dims())
+@pytest.mark.parametrize("d", gpu_test_head_dims())
 @pytest.mark.parametrize("causal, window, nq, nkv", [
     (True, (256, -1), 700, 700),     # causal with a left window (the long-context shape)
     (False, (100, 40), 300, 500),    # both bounds, windows smaller than a K/V tile

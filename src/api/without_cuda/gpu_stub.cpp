@@ -35,6 +35,6 @@ bool gpu_supports(const Recipe&) { return false; }
 
 bool gpu_available() { return false; }
 
-const char* gpu_head_dims() { return ""; }
+const char* gpu_kernel_head_dims() { return ""; }
 
 }  // namespace sage

@@ -17,11 +17,25 @@ if(SAGE_HEAD_DIMS STREQUAL "all")
   set(SAGE_HEAD_DIMS ${_allowed_dims})
 endif()
 set(_dims_macro "")
+set(_kv_dims "")
 foreach(d ${SAGE_HEAD_DIMS})
   if(NOT d IN_LIST _allowed_dims)
     message(FATAL_ERROR "SAGE_HEAD_DIMS: ${d} has no kernel (kernel_traits.h lists ${_allowed_dims})")
   endif()
   string(APPEND _dims_macro " X(${d})")
+  # The K/V pre-pass runs at the workspace's row size (quant/kv_layout.h, kv_layout_head_dim).
+  if(d LESS_EQUAL 64)
+    list(APPEND _kv_dims 64)
+  elseif(d LESS_EQUAL 128)
+    list(APPEND _kv_dims 128)
+  else()
+    list(APPEND _kv_dims 256)
+  endif()
+endforeach()
+list(REMOVE_DUPLICATES _kv_dims)
+set(_kv_dims_macro "")
+foreach(d ${_kv_dims})
+  string(APPEND _kv_dims_macro " X(${d})")
 endforeach()
 string(REPLACE ";" ", " _dims_list "${SAGE_HEAD_DIMS}")
 
@@ -64,6 +78,8 @@ file(CONFIGURE OUTPUT ${_gen_dir}/built_kernels.h CONTENT
 #pragma once
 #define SAGE_FOR_EACH_HEAD_DIM(X)${_dims_macro}
 #define SAGE_HEAD_DIMS_STRING \"${_dims_list}\"
+// The workspace row sizes (quant::kv_layout_head_dim) of those: the K/V pre-pass's instantiations.
+#define SAGE_FOR_EACH_KV_LAYOUT_DIM(X)${_kv_dims_macro}
 // The (PV path, K scale layout, Q smoothing) triples that have a kernel.
 #define SAGE_FOR_EACH_KERNEL_VARIANT(X)${_variants_macro}
 ")
@@ -81,6 +97,10 @@ foreach(d ${SAGE_HEAD_DIMS})
       list(GET _triple 0 _path)
       list(GET _triple 1 _ks)
       list(GET _triple 2 _sq)
+      # kernel_traits.h variant_has_kernel: no fp16 PV above d = 128 (shared memory).
+      if(d GREATER 128 AND _path STREQUAL "fp16")
+        continue()
+      endif()
       if(_sq)
         set(_sq_bool true)
         set(_sq_name _smooth_q)

@@ -63,15 +63,15 @@ __device__ __forceinline__ ConsumerItem consumer_item(const AttentionParams& p, 
 // under the Q load.
 template <class K>
 __device__ __forceinline__ void prefetch_item_scales(const AttentionParams& p, const ConsumerItem& c) {
-  constexpr int D = K::D;
+  constexpr int D = K::D, kRow = QKLayout<D>::kRowBytes;
   const int64_t k_scale_bytes = K::KScale::head_bytes(p.n_pad);
   const char* k_scale_head = reinterpret_cast<const char*>(p.kv.k_scale) + c.kv_head * k_scale_bytes;
   const int consumer_thread = threadIdx.x - 128;
   for (int64_t line = consumer_thread; line * 128 < k_scale_bytes; line += 128 * K::kConsumers)
     prefetch_l2(k_scale_head + line * 128);
-  if (consumer_thread < D / 32) prefetch_l2(p.kv.v_scale + c.kv_head * D + 32 * consumer_thread);
+  if (consumer_thread < D / 32) prefetch_l2(p.kv.v_scale + c.kv_head * kRow + 32 * consumer_thread);
   else if (p.smooth_v && consumer_thread < D / 16)
-    prefetch_l2(p.kv.v_mean + c.kv_head * D + 32 * (consumer_thread - D / 32));
+    prefetch_l2(p.kv.v_mean + c.kv_head * kRow + 32 * (consumer_thread - D / 32));
 }
 
 // Q rows start at the head's offset; prequantized Q is int8, so the arithmetic is in elements
@@ -92,7 +92,7 @@ __device__ __forceinline__ void prefetch_next_q(const AttentionParams& p, int w_
   const int row = next.q_tile * K::kBlockQ + (threadIdx.x - 128) % K::kBlockQ;
   const int line = (threadIdx.x - 128) / K::kBlockQ;
   const int elem_bytes = p.q_scale ? 1 : int(sizeof(typename K::T));
-  if (row < p.n_q && line * 128 < K::D * elem_bytes)
+  if (row < p.n_q && line * 128 < p.head_dim * elem_bytes)
     prefetch_l2(reinterpret_cast<const char*>(q_head_of<K>(p, next.b, next.h)) +
                 ((int64_t)row * p.q_stride_n) * elem_bytes + line * 128);
 }
@@ -115,7 +115,8 @@ __device__ __forceinline__ void load_q(const AttentionParams& p, typename K::Sto
   } else {
     const float* q_scale_head = p.q_scale ? p.q_scale + c.b * p.qs_stride_b + c.h * p.qs_stride_h : nullptr;
     const float* balance_head = balance_of_head<D>(p, c.kv_head);
-    qop.load(p, q_head_of<K>(p, c.b, c.h), q_scale_head, p.kv.k_mean + c.kv_head * D, balance_head,
+    qop.load(p, q_head_of<K>(p, c.b, c.h), q_scale_head,
+             p.kv.k_mean + c.kv_head * QKLayout<D>::kRowBytes, balance_head,
              c.rows, min(K::kBlockQ, p.n_q - c.q0), c.lane, 4 * c.cw + c.warp, s.reduce,
              &s.q_sum[0][0], s.q_mean[c.cw], s.q[qbuf][c.cw], p.lse != nullptr && p.smooth_k);
   }

@@ -28,7 +28,8 @@ struct KernelConfig {
   static constexpr KScales kKScales = KS_;
   static constexpr bool kSmoothQ = SmoothQ_;
   static constexpr bool kQStage = WithQStage_;
-  static_assert(!kQStage || q_stage_capable(kPath, kSmoothQ), "no Q stage in this variant");
+  static_assert(!kQStage || q_stage_capable(kPath, kSmoothQ, D), "no Q stage in this variant");
+  static_assert(variant_has_kernel(D, kPath), "no kernel for this PV path at this head dim");
   static constexpr bool kLeftWindow = LeftWindow_;
   static_assert(!(kQStage && kLeftWindow), "the left-window instantiation has no Q stage");
 
@@ -43,6 +44,12 @@ struct KernelConfig {
   using KScale = KScaleOperand<kKScales>;
   using Storage = SharedStorage<D, kStages, PV::kVBytes, kQStage, PV::kOnesRows>;
   static_assert(PV::kVBytes == kTraits.v_bytes && PV::kOnesRows == kTraits.v_ones_rows);
+  // The device layout and the host's TMA maps (tma_maps.cu reads the traits) agree.
+  static_assert(QKLayout<D>::kSpan == kTraits.k_swizzle_bytes &&
+                QKLayout<D>::kRowBytes == kTraits.qk_row_bytes);
+  // The opt-in maximum of dynamic shared memory per block on sm_90 (227 KiB), with the launch's
+  // 1024 bytes of alignment slack.
+  static_assert(sizeof(Storage) + 1024 <= 232448, "shared memory");
 
   // The integer row max (softmax.cuh, update_from_int) for per-tile K scales without Q
   // smoothing: the simulator follows rules::integer_row_max, which dispatch checks against this.

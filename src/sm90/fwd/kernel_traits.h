@@ -15,8 +15,17 @@
 
 // The head dims with a Hopper kernel, the only list of them: src/sm90/fwd/instantiate.cmake
 // reads this line to know what it may instantiate (SAGE_HEAD_DIMS picks a subset), and
-// sage::gpu_head_dim_list() gives it in a build without CUDA.
-#define SAGE_SUPPORTED_HEAD_DIMS(X) X(64) X(128)
+// sage::gpu_head_dim_list() gives it in a build without CUDA. Each is a tile of
+// numerics/tile.h's kernel_head_dim; the other multiples of 8 from 32 up run on the next one
+// with zero channels (the kernel's Q loads and output stores are bounded by the caller's dim,
+// the workspace is padded: quant/kv_layout.h). 96: the d = 128 kernel with n = 96 PV MMAs and
+// three k32 QK MMAs over 128-byte K rows (sm90/fwd/qk_layout.cuh), two consumer warpgroups, no
+// row sum from the PV MMA (as at 64: below rules::kRowSumMmaMinHeadDim), the Q stage. 256: two
+// 128-byte column blocks per K/Q row, eight k32 QK MMAs, the PV MMA in two column ranges of
+// 128 (pv_operand.cuh kSplits: O alone is 128 registers, the whole fp32 product would be 128
+// more) with the row sum's ones block in the second (n = 136: no n = 264 MMA exists), one tile
+// at a time, two stages and no Q stage (shared memory), no fp16-PV variant (variant_has_kernel).
+#define SAGE_SUPPORTED_HEAD_DIMS(X) X(64) X(96) X(128) X(256)
 
 namespace sage::sm90 {
 
@@ -53,8 +62,17 @@ constexpr int v_ones_rows(int head_dim, PVPath path) {
 // SageAttention2 default path without Q smoothing (whose tile mean and dS the consumers
 // compute). Only there, to keep the instantiations and compile time in check; the other
 // variants always quantize Q in the consumers' prologue.
-constexpr bool q_stage_capable(PVPath path, bool smooth_q) {
-  return path == PVPath::e4m3_two_level && !smooth_q;
+// Not above d = 128: the second Q buffer and the raw tile (96 KiB at d = 256) do not fit
+// beside the K/V ring.
+constexpr bool q_stage_capable(PVPath path, bool smooth_q, int head_dim) {
+  return path == PVPath::e4m3_two_level && !smooth_q && head_dim <= 128;
+}
+
+// Whether a PV path has a kernel at a head dim: fp16 V at d = 256 takes 64 KiB per stage, and
+// two stages, the K tiles and the Q tile exceed the 227 KiB of shared memory (instantiate.cmake
+// skips it; the dispatch refuses its recipes by name there).
+constexpr bool variant_has_kernel(int head_dim, PVPath path) {
+  return !(head_dim > 128 && path == PVPath::fp16);
 }
 
 // A kernel variant: what a recipe maps onto (api/dispatch.cu) and what is instantiated.
@@ -76,7 +94,8 @@ struct KernelTraits {
   bool overlap_pv;      // the intra-warpgroup pipeline (QK of tile i beside PV of tile i-1)
   int v_ones_rows;      // see v_ones_rows()
   int v_bytes;          // bytes per V element in shared memory
-  int k_swizzle_bytes;  // the K and Q tiles' swizzle span: one row of head_dim INT8 codes
+  int qk_row_bytes;     // bytes per K and Q row in shared memory (quant::kv_layout_head_dim)
+  int k_swizzle_bytes;  // the K and Q tiles' swizzle span: 64 at d = 64, else 128 (qk_layout.cuh)
   int v_swizzle_bytes;  // V tile rows are block_kv * v_bytes bytes, one 128-byte span per box
 };
 
@@ -92,19 +111,22 @@ constexpr KernelTraits kernel_traits(int head_dim, Variant v) {
   // 3: the pipelined consumers hold two stages (tile i's K, tile i-1's V), so the producer
   // runs one K/V tile ahead of them (deeper rings were no faster: v15, v19g in
   // docs/history/README.md).
-  t.stages = 3;
+  // 2 above d = 128: a stage is 64 KiB there (K 32 KiB, V 33 KiB with its ones rows), and the
+  // tiles run one at a time anyway.
+  t.stages = head_dim > 128 ? 2 : 3;
   t.launch_regs = 65536 / t.threads / 8 * 8;
   t.producer_regs = 24;
   // All that is left to the consumers: 240 at d = 128, 160 at d = 64.
   t.consumer_regs = (t.launch_regs * t.threads - t.producer_regs * 128) / (128 * t.consumers) / 8 * 8;
   // The software pipeline, except where ptxas (CUDA 13.0) spilled it heavily: at d = 128
   // INT8 and f16-pair PV; at d = 64 Q smoothing and per-token K scales (docs/design.md).
-  t.overlap_pv = head_dim == 64
-                     ? v.k_scales == KScales::per_tile && !v.smooth_q
-                     : v.path == PVPath::e4m3_two_level || v.path == PVPath::fp16;
+  t.overlap_pv = head_dim > 128  ? false  // the split PV MMA (pv_operand.cuh)
+                 : head_dim <= 64 ? v.k_scales == KScales::per_tile && !v.smooth_q
+                                  : v.path == PVPath::e4m3_two_level || v.path == PVPath::fp16;
   t.v_ones_rows = v_ones_rows(head_dim, v.path);
   t.v_bytes = v_bytes(v.path);
-  t.k_swizzle_bytes = head_dim;
+  t.qk_row_bytes = quant::kv_layout_head_dim(head_dim);
+  t.k_swizzle_bytes = t.qk_row_bytes < 128 ? t.qk_row_bytes : 128;
   t.v_swizzle_bytes = 128;
   return t;
 }
@@ -122,6 +144,7 @@ constexpr bool register_budgets_fit(const KernelTraits& t) {
   return t.producer_regs * 128 + t.consumer_regs * 128 * t.consumers <= t.launch_regs * t.threads;
 }
 #define SAGE_CHECK_TRAITS(D)                                                                    \
+  static_assert(kernel_head_dim(D) == D, "an instantiated head dim must be a tile of kernel_head_dim"); \
   static_assert(tile_config(D).block_kv == kBlockKV, "the quantizer's K/V tile and tile.h differ"); \
   static_assert(register_budgets_fit(kernel_traits(D, {PVPath::int8, KScales::per_tile, false})), \
                 "setmaxnreg budgets exceed the CTA's launch allocation");

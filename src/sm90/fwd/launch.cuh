@@ -34,7 +34,7 @@ template <int D, class T, PVPath Path, KScales KS, bool SmoothQ>
 void launch_attention(const AttentionParams& p, const AttentionMaps& maps, cudaStream_t stream) {
   if (p.window_left >= 0)
     return launch_attention_kernel<KernelConfig<D, T, Path, KS, SmoothQ, false, true>>(p, maps, stream);
-  if constexpr (q_stage_capable(Path, SmoothQ)) {
+  if constexpr (q_stage_capable(Path, SmoothQ, D)) {
     if (p.q_stage)
       return launch_attention_kernel<KernelConfig<D, T, Path, KS, SmoothQ, true>>(p, maps, stream);
   }

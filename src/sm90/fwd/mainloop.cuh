@@ -33,6 +33,7 @@ struct Mainloop {
   using PV = typename K::PV;
   using Storage = typename K::Storage;
   static constexpr int kAcc = kBlockKV / 2;
+  static_assert(PV::kSplits == 1 || !K::kOverlapPV, "a split PV MMA runs one tile at a time");
 
   RingCursor<K::kStages> ring;  // the next K/V tile's stage, over all of the CTA's items
   OnlineSoftmax<kBlockKV> softmax;
@@ -87,10 +88,11 @@ struct Mainloop {
   __device__ __forceinline__ void issue_qk(int stage) {
     const uint32_t k_desc = k_desc0 + stage * kKStageDesc;
     wgmma_fence();
-    mma_s8_ss<kBlockKV, false>(sacc, smem_desc<D>(q_desc), smem_desc<D>(k_desc));
+    using L = QKLayout<D>;
+    mma_s8_ss<kBlockKV, false>(sacc, L::template desc<64>(q_desc, 0), L::template desc<kBlockKV>(k_desc, 0));
 #pragma unroll
-    for (int kc = 1; kc < D / 32; ++kc)
-      mma_s8_ss<kBlockKV, true>(sacc, smem_desc<D>(q_desc, 32 * kc), smem_desc<D>(k_desc, 32 * kc));
+    for (int kc = 1; kc < L::kChunks; ++kc)
+      mma_s8_ss<kBlockKV, true>(sacc, L::template desc<64>(q_desc, kc), L::template desc<kBlockKV>(k_desc, kc));
     wgmma_commit();
   }
   __device__ __forceinline__ void issue_pv(int stage) {
@@ -105,6 +107,16 @@ struct Mainloop {
                                                      K::KScale::key_scale(k_scale, it, j),
                                                      p.sm_scale_log2);
     named_barrier_sync(NamedBarrier::key_bias(cw, K::kConsumers), 128);
+  }
+
+  // Column range S of a split PV MMA (pv_operand.cuh, kSplits): issued, waited for and folded
+  // into O before the next range reuses the accumulator; the row sum comes with the last.
+  template <int S>
+  __device__ __forceinline__ void split_pv(int stage, const float (&alpha)[2]) {
+    PV::template issue<S>(pv_acc, pa, v_desc0 + stage * kVStageDesc);
+    wgmma_wait<0>();
+    PV::template fold<S>(o, pv_acc, pa, alpha);
+    if constexpr (K::kRowSumInMma && S == PV::kSplits - 1) PV::fold_row_sum(softmax.l, pv_acc, alpha);
   }
 
   // The product of the tile whose PV MMA was waited for, into O (and l).
@@ -174,16 +186,26 @@ struct Mainloop {
     for (int it = begin; it < end; ++it, ring.advance()) {
       const int stage = ring.stage;
       mbar_wait(&s.full[stage], ring.phase);
+      // Above d = 128 the bias goes before the QK MMA: beside its 64 accumulators and O's 128
+      // the bias's registers spilled (ptxas).
+      constexpr bool kBiasFirst = D > 128;
+      if constexpr (K::kSmoothQ && kBiasFirst) compute_key_bias(it, stage);
       issue_qk(stage);
-      if constexpr (K::kSmoothQ) compute_key_bias(it, stage);
+      if constexpr (K::kSmoothQ && !kBiasFirst) compute_key_bias(it, stage);
       wgmma_wait<0>();
       reg_fence(sacc);
       float sc[kAcc], alpha[2], p_sum[2];
       tile_to_p(it, sc, alpha, p_sum);
       pack_p(sc, alpha, p_sum);
-      issue_pv(stage);
-      wgmma_wait<0>();
-      fold_pv(alpha);
+      if constexpr (PV::kSplits == 1) {
+        issue_pv(stage);
+        wgmma_wait<0>();
+        fold_pv(alpha);
+      } else {
+        static_assert(PV::kSplits == 2, "two column ranges");
+        split_pv<0>(stage, alpha);
+        split_pv<1>(stage, alpha);
+      }
       release_stage(stage);
     }
   }

@@ -62,6 +62,9 @@ struct AttentionParams {
   // The keys each row sees (mask.cuh): Problem's normalized window, causal folded in as
   // window_right = 0; -1 unbounded. After the schedule, so that no earlier field moves.
   int window_left, window_right;
+  // The caller's head dim: a multiple of 8, at most the kernel's D (tile.h, kernel_head_dim).
+  // Q loads and output stores stop there; the workspace's channels past it are zeros.
+  int head_dim;
 };
 
 }  // namespace sage::sm90

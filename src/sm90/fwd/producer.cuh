@@ -22,7 +22,9 @@ struct Producer {
                                  const AttentionParams& p, Storage& s, CtaSlots mine, int group_size) {
     prefetch_tma_descriptor(tma_k);
     prefetch_tma_descriptor(tma_v);
-    constexpr uint32_t kStageBytes = (1 + K::PV::kVBytes) * kBlockKV * D;
+    using L = QKLayout<D>;
+    // The K tile's whole workspace rows (padding channels included: qk_layout.cuh), V's D rows.
+    constexpr uint32_t kStageBytes = kBlockKV * (L::kRowBytes + K::PV::kVBytes * D);
     // A V tile row is kBlockKV * VBytes bytes: one 128-byte swizzle span per TMA box.
     constexpr int kVBoxes = K::PV::kVBytes;
     const UniformSeqLen seq{p};
@@ -31,7 +33,7 @@ struct Producer {
       const WorkItem item = work_item(p, w);
       const int hk = item.h / group_size;
       const int k_row0 = seq.k_row0(item.b, hk);
-      const int v_row0 = seq.template v_row0<D>(item.b, hk);
+      const int v_row0 = seq.template v_row0<L::kRowBytes>(item.b, hk);
       const Mask mask(p);
       // Only the tiles the item's rows see: a window's others are never loaded.
       const KvTiles tiles = mask.template kv_tiles<K::kBlockQ, K::kLeftWindow>(item.q_tile * K::kBlockQ);
@@ -39,7 +41,10 @@ struct Producer {
         const int stage = fill % K::kStages;
         mbar_wait(&s.empty[stage], ((fill / K::kStages) & 1) ^ 1);
         mbar_expect_tx(&s.full[stage], kStageBytes);
-        tma_load_2d(s.k[stage], tma_k, &s.full[stage], 0, k_row0 + it * kBlockKV);
+#pragma unroll
+        for (int blk = 0; blk < L::kBlocks; ++blk)
+          tma_load_2d(s.k[stage] + blk * kBlockKV * L::kSpan, tma_k, &s.full[stage], blk * L::kSpan,
+                      k_row0 + it * kBlockKV);
 #pragma unroll
         for (int box = 0; box < kVBoxes; ++box)
           tma_load_2d(s.v[stage] + box * D * 128, tma_v, &s.full[stage], (it * kVBoxes + box) * 128,

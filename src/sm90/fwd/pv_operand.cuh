@@ -21,6 +21,12 @@
 //                               group; frags and acc belong to the MMA until it is waited for
 //   fold(o, acc, frags, alpha)  after the wait: o = o * alpha (the online-softmax rescale of
 //                               rows g, g + 8) + the tile's product
+//   kSplits                     the PV MMA's n is split in this many column ranges of kSplitN
+//                               channels (2 at d = 256: its whole fp32 product and O would take
+//                               256 registers), each issued, waited for and folded in turn
+//                               (issue<S>, fold<S>; S = 0 only where kSplits = 1). Each output
+//                               column's sums are those of one MMA over all channels (the split
+//                               is along n, not k), so the numerics are the same.
 //   kOnesRows                   rows of ones under the V tile (kernel_traits.h, v_ones_rows):
 //                               where > 0 the MMA's extra n8 block is the tile's row sum of
 //                               the quantized P, and fold_row_sum(l, acc, alpha) folds it into
@@ -83,10 +89,15 @@ __device__ __forceinline__ void pack_p_8bit(const float (&p)[N / 2], uint32_t (&
   }
 }
 
-// Descriptor of the k32 slice kc of an 8-bit V tile (rows of kBlockKV = 128 bytes).
-__device__ __forceinline__ uint64_t v8_slice(uint32_t v_desc, int kc) {
-  return smem_desc<kBlockKV>(v_desc, 32 * kc);
+// Descriptor of the k32 slice kc of an 8-bit V tile (rows of kBlockKV = 128 bytes), from V
+// row (channel) row0 on.
+__device__ __forceinline__ uint64_t v8_slice(uint32_t v_desc, int kc, int row0 = 0) {
+  return smem_desc<kBlockKV>(v_desc, 32 * kc + row0 * kBlockKV);
 }
+
+// The PV MMA's column ranges at head dim D (pv_operand.cuh's kSplits).
+template <int D>
+constexpr int kPVSplits = D > 128 ? 2 : 1;
 
 template <int D, PVPath Path>
 struct PVOperand;
@@ -97,36 +108,43 @@ template <int D>
 struct PVOperand<D, PVPath::e4m3_two_level> {
   static constexpr int kVBytes = 1;
   static constexpr int kOnesRows = v_ones_rows(D, PVPath::e4m3_two_level);
-  static constexpr int kN = D + kOnesRows;  // the MMA's n: V's channels, then the ones
+  static constexpr int kSplits = kPVSplits<D>, kSplitN = D / kSplits;
+  // The last split's n: its V channels, then the ones (rows D .. D + 7, right below them).
+  static constexpr int kN = kSplitN + kOnesRows;
   struct Fragments { uint32_t a[kBlockKV / 32][4]; };
   struct Accumulator { float c[kN / 2]; };
   __device__ __forceinline__ static void pack(const float (&p)[kBlockKV / 2], Fragments& f,
                                               int32_t (&code_sum)[2]) {
     pack_p_8bit<kBlockKV>(p, f.a, code_sum, E4m3Pair{});
   }
+  template <int S = 0>
   __device__ __forceinline__ static void issue(Accumulator& acc, Fragments& f, uint32_t v_desc) {
+    constexpr int n = S == kSplits - 1 ? kN : kSplitN;
+    float(&c)[n / 2] = reinterpret_cast<float(&)[n / 2]>(acc.c);
     wgmma_fence();
-    mma_e4m3_rs<kN, false>(acc.c, f.a[0], v8_slice(v_desc, 0));
+    mma_e4m3_rs<n, false>(c, f.a[0], v8_slice(v_desc, 0, S * kSplitN));
 #pragma unroll
     for (int kc = 1; kc < kBlockKV / 32; ++kc)
-      mma_e4m3_rs<kN, true>(acc.c, f.a[kc], v8_slice(v_desc, kc));
+      mma_e4m3_rs<n, true>(c, f.a[kc], v8_slice(v_desc, kc, S * kSplitN));
     wgmma_commit();
   }
+  template <int S = 0>
   __device__ __forceinline__ static void fold(float (&o)[D / 2], Accumulator& acc, Fragments& f,
                                               const float (&alpha)[2]) {
     reg_fence(acc.c);
     reg_fence(f.a);
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = __fmaf_rn(o[i], alpha[frag::acc_row(i)], acc.c[i]);
+    for (int i = 0; i < kSplitN / 2; ++i)
+      o[S * kSplitN / 2 + i] = __fmaf_rn(o[S * kSplitN / 2 + i], alpha[frag::acc_row(i)], acc.c[i]);
   }
-  // The ones block's entries D / 2 (row g) and D / 2 + 2 (row g + 8) hold the whole row's sum
-  // (every column of the block is the same), so l needs no quad reduction at the end. After
-  // fold (its register fence).
+  // The ones block's entries kSplitN / 2 (row g) and kSplitN / 2 + 2 (row g + 8) of the last
+  // split hold the whole row's sum (every column of the block is the same), so l needs no quad
+  // reduction at the end. After the last split's fold (its register fence).
   __device__ __forceinline__ static void fold_row_sum(float (&l)[2], const Accumulator& acc,
                                                       const float (&alpha)[2]) {
     static_assert(kOnesRows > 0, "no row sum column");
 #pragma unroll
-    for (int r = 0; r < 2; ++r) l[r] = __fmaf_rn(l[r], alpha[r], acc.c[D / 2 + 2 * r]);
+    for (int r = 0; r < 2; ++r) l[r] = __fmaf_rn(l[r], alpha[r], acc.c[kSplitN / 2 + 2 * r]);
   }
 };
 
@@ -138,20 +156,24 @@ struct PVOperand<D, PVPath::e4m3_fp16x2> {
   static_assert(kBlockKV == 128, "two f16 accumulators cover the tile's two 64-token pairs");
   static constexpr int kVBytes = 1;
   static constexpr int kOnesRows = 0;
+  static constexpr int kSplits = kPVSplits<D>, kSplitN = D / kSplits;
   struct Fragments { uint32_t a[kBlockKV / 32][4]; };
-  struct Accumulator { uint32_t pair0[D / 4], pair1[D / 4]; };
+  struct Accumulator { uint32_t pair0[kSplitN / 4], pair1[kSplitN / 4]; };
   __device__ __forceinline__ static void pack(const float (&p)[kBlockKV / 2], Fragments& f,
                                               int32_t (&code_sum)[2]) {
     pack_p_8bit<kBlockKV>(p, f.a, code_sum, E4m3Pair{});
   }
+  template <int S = 0>
   __device__ __forceinline__ static void issue(Accumulator& acc, Fragments& f, uint32_t v_desc) {
+    constexpr int r0 = S * kSplitN;
     wgmma_fence();
-    mma_e4m3_rs_f16acc<D, false>(acc.pair0, f.a[0], v8_slice(v_desc, 0));
-    mma_e4m3_rs_f16acc<D, true>(acc.pair0, f.a[1], v8_slice(v_desc, 1));
-    mma_e4m3_rs_f16acc<D, false>(acc.pair1, f.a[2], v8_slice(v_desc, 2));
-    mma_e4m3_rs_f16acc<D, true>(acc.pair1, f.a[3], v8_slice(v_desc, 3));
+    mma_e4m3_rs_f16acc<kSplitN, false>(acc.pair0, f.a[0], v8_slice(v_desc, 0, r0));
+    mma_e4m3_rs_f16acc<kSplitN, true>(acc.pair0, f.a[1], v8_slice(v_desc, 1, r0));
+    mma_e4m3_rs_f16acc<kSplitN, false>(acc.pair1, f.a[2], v8_slice(v_desc, 2, r0));
+    mma_e4m3_rs_f16acc<kSplitN, true>(acc.pair1, f.a[3], v8_slice(v_desc, 3, r0));
     wgmma_commit();
   }
+  template <int S = 0>
   __device__ __forceinline__ static void fold(float (&o)[D / 2], Accumulator& acc, Fragments& f,
                                               const float (&alpha)[2]) {
     reg_fence(acc.pair0);
@@ -159,19 +181,20 @@ struct PVOperand<D, PVPath::e4m3_fp16x2> {
     reg_fence(f.a);
     // Rescale first, then add the pairs one at a time: numerics.md's order for fp16x2_fp32.
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[frag::acc_row(i)];
-    add_f16_pairs(o, acc.pair0);
-    add_f16_pairs(o, acc.pair1);
+    for (int i = 0; i < kSplitN / 2; ++i) o[S * kSplitN / 2 + i] *= alpha[frag::acc_row(i)];
+    add_f16_pairs<S>(o, acc.pair0);
+    add_f16_pairs<S>(o, acc.pair1);
   }
 
  private:
   // f16 accumulator register i packs the fp32-layout values 2i (low half) and 2i + 1.
-  __device__ __forceinline__ static void add_f16_pairs(float (&o)[D / 2], const uint32_t (&h)[D / 4]) {
+  template <int S>
+  __device__ __forceinline__ static void add_f16_pairs(float (&o)[D / 2], const uint32_t (&h)[kSplitN / 4]) {
 #pragma unroll
-    for (int i = 0; i < D / 4; ++i) {
+    for (int i = 0; i < kSplitN / 4; ++i) {
       const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h[i]));
-      o[2 * i] += f.x;
-      o[2 * i + 1] += f.y;
+      o[S * kSplitN / 2 + 2 * i] += f.x;
+      o[S * kSplitN / 2 + 2 * i + 1] += f.y;
     }
   }
 };
@@ -185,8 +208,9 @@ struct PVOperand<D, PVPath::fp16> {
   static constexpr int kVBytes = 2;
   static constexpr int kOnesRows = 0;
   static constexpr int kSlices = kBlockKV / 16;
+  static constexpr int kSplits = kPVSplits<D>, kSplitN = D / kSplits;
   struct Fragments { uint32_t a[kSlices][4]; };
-  struct Accumulator { uint32_t c[D / 4]; };
+  struct Accumulator { uint32_t c[kSplitN / 4]; };
   __device__ __forceinline__ static void pack(const float (&p)[kBlockKV / 2], Fragments& f,
                                               int32_t (&)[2]) {
 #pragma unroll
@@ -197,30 +221,34 @@ struct PVOperand<D, PVPath::fp16> {
         f.a[kc][r] = *reinterpret_cast<const uint32_t*>(&h);
       }
   }
+  template <int S = 0>
   __device__ __forceinline__ static void issue(Accumulator& acc, Fragments& f, uint32_t v_desc) {
     wgmma_fence();
-    mma_f16_rs_f16acc<D, false>(acc.c, f.a[0], v16_slice(v_desc, 0));
+    mma_f16_rs_f16acc<kSplitN, false>(acc.c, f.a[0], v16_slice(v_desc, 0, S * kSplitN));
 #pragma unroll
     for (int kc = 1; kc < kSlices; ++kc)
-      mma_f16_rs_f16acc<D, true>(acc.c, f.a[kc], v16_slice(v_desc, kc));
+      mma_f16_rs_f16acc<kSplitN, true>(acc.c, f.a[kc], v16_slice(v_desc, kc, S * kSplitN));
     wgmma_commit();
   }
+  template <int S = 0>
   __device__ __forceinline__ static void fold(float (&o)[D / 2], Accumulator& acc, Fragments& f,
                                               const float (&alpha)[2]) {
     reg_fence(acc.c);
     reg_fence(f.a);
+    constexpr int o0 = S * kSplitN / 2;
 #pragma unroll
-    for (int i = 0; i < D / 4; ++i) {
+    for (int i = 0; i < kSplitN / 4; ++i) {
       const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&acc.c[i]));
-      o[2 * i] = __fmaf_rn(o[2 * i], alpha[frag::acc_row(2 * i)], h.x);
-      o[2 * i + 1] = __fmaf_rn(o[2 * i + 1], alpha[frag::acc_row(2 * i + 1)], h.y);
+      o[o0 + 2 * i] = __fmaf_rn(o[o0 + 2 * i], alpha[frag::acc_row(2 * i)], h.x);
+      o[o0 + 2 * i + 1] = __fmaf_rn(o[o0 + 2 * i + 1], alpha[frag::acc_row(2 * i + 1)], h.y);
     }
   }
 
  private:
-  // k16 slice kc: 32 bytes into the row of its 64-token half.
-  __device__ __forceinline__ static uint64_t v16_slice(uint32_t v_desc, int kc) {
-    return smem_desc<128>(v_desc, (kc / 4) * (D * 128) + (kc % 4) * 32);
+  // k16 slice kc: 32 bytes into the row of its 64-token half (each half a box of D rows of
+  // 128 bytes), from V row (channel) row0 on.
+  __device__ __forceinline__ static uint64_t v16_slice(uint32_t v_desc, int kc, int row0) {
+    return smem_desc<128>(v_desc, (kc / 4) * (D * 128) + row0 * 128 + (kc % 4) * 32);
   }
 };
 
@@ -231,26 +259,30 @@ template <int D>
 struct PVOperand<D, PVPath::int8> {
   static constexpr int kVBytes = 1;
   static constexpr int kOnesRows = 0;
+  static constexpr int kSplits = kPVSplits<D>, kSplitN = D / kSplits;
   struct Fragments { uint32_t a[kBlockKV / 32][4]; };
-  struct Accumulator { int32_t c[D / 2]; };
+  struct Accumulator { int32_t c[kSplitN / 2]; };
   __device__ __forceinline__ static void pack(const float (&p)[kBlockKV / 2], Fragments& f,
                                               int32_t (&code_sum)[2]) {
     pack_p_8bit<kBlockKV>(p, f.a, code_sum, Int8Pair{});
   }
+  template <int S = 0>
   __device__ __forceinline__ static void issue(Accumulator& acc, Fragments& f, uint32_t v_desc) {
     wgmma_fence();
-    mma_s8_rs<D, false>(acc.c, f.a[0], v8_slice(v_desc, 0));
+    mma_s8_rs<kSplitN, false>(acc.c, f.a[0], v8_slice(v_desc, 0, S * kSplitN));
 #pragma unroll
     for (int kc = 1; kc < kBlockKV / 32; ++kc)
-      mma_s8_rs<D, true>(acc.c, f.a[kc], v8_slice(v_desc, kc));
+      mma_s8_rs<kSplitN, true>(acc.c, f.a[kc], v8_slice(v_desc, kc, S * kSplitN));
     wgmma_commit();
   }
+  template <int S = 0>
   __device__ __forceinline__ static void fold(float (&o)[D / 2], Accumulator& acc, Fragments& f,
                                               const float (&alpha)[2]) {
     reg_fence(acc.c);
     reg_fence(f.a);
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = __fmaf_rn(o[i], alpha[frag::acc_row(i)], float(acc.c[i]));
+    for (int i = 0; i < kSplitN / 2; ++i)
+      o[S * kSplitN / 2 + i] = __fmaf_rn(o[S * kSplitN / 2 + i], alpha[frag::acc_row(i)], float(acc.c[i]));
   }
 };
 

@@ -22,6 +22,7 @@
 #include "sm90/mma/fragment.cuh"
 #include "sm90/fwd/params.h"
 #include "common/ptx.cuh"
+#include "sm90/fwd/qk_layout.cuh"
 
 namespace sage::sm90 {
 
@@ -47,6 +48,20 @@ struct QOperand {
     const bool prequantized = q_scale_head != nullptr;
     float x[kChunks][2][2][4];  // [k slice][half][row][4 channels]
     float amax[2] = {0.f, 0.f};
+    // The thread's four channels of each (slice, half) lie inside the caller's head dim (a
+    // multiple of 8) or wholly past it: there they are zeros and never read (issue 34, a
+    // smaller head dim on this kernel's tile). col_in[kc][half]; column offsets past it read
+    // column 0 (a valid address) and are zeroed after, as rows past n_q are.
+    bool col_in[kChunks][2];
+    int col_at[kChunks][2];
+#pragma unroll
+    for (int kc = 0; kc < kChunks; ++kc)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int col = 32 * kc + 16 * half + 4 * t;
+        col_in[kc][half] = col < p.head_dim;
+        col_at[kc][half] = col_in[kc][half] ? col : 0;
+      }
     // Two whole loops rather than a test per load: with the branch inside, the loads were no
     // longer issued back to back (v6-v7, docs/history/README.md).
     if (prequantized) {  // INT8 codes: q_head really points at int8
@@ -58,7 +73,7 @@ struct QOperand {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             char4 c = make_char4(0, 0, 0, 0);
-            if (rows[r] < p.n_q)
+            if (rows[r] < p.n_q && col_in[kc][half])
               c = *reinterpret_cast<const char4*>(q8 + (int64_t)rows[r] * p.q_stride_n + 32 * kc +
                                                   16 * half + 4 * t);
             x[kc][half][r][0] = c.x, x[kc][half][r][1] = c.y, x[kc][half][r][2] = c.z,
@@ -73,7 +88,7 @@ struct QOperand {
       const T* row_ptr[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r)
-        row_ptr[r] = q_head + (int64_t)min(rows[r], p.n_q - 1) * p.q_stride_n + 4 * t;
+        row_ptr[r] = q_head + (int64_t)min(rows[r], p.n_q - 1) * p.q_stride_n;
       uint2 raw[kChunks][2][2];
 #pragma unroll
       for (int kc = 0; kc < kChunks; ++kc)
@@ -81,7 +96,7 @@ struct QOperand {
         for (int half = 0; half < 2; ++half)
 #pragma unroll
           for (int r = 0; r < 2; ++r)
-            raw[kc][half][r] = *reinterpret_cast<const uint2*>(row_ptr[r] + 32 * kc + 16 * half);
+            raw[kc][half][r] = *reinterpret_cast<const uint2*>(row_ptr[r] + col_at[kc][half]);
 #pragma unroll
       for (int kc = 0; kc < kChunks; ++kc)
 #pragma unroll
@@ -89,8 +104,9 @@ struct QOperand {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             // Zeroed as raw words (two selects per four values): +0 in fp16 and bf16.
-            const float2 a = gpu::word_to_float2<T>(valid[r] ? raw[kc][half][r].x : 0u);
-            const float2 b = gpu::word_to_float2<T>(valid[r] ? raw[kc][half][r].y : 0u);
+            const bool in = valid[r] && col_in[kc][half];
+            const float2 a = gpu::word_to_float2<T>(in ? raw[kc][half][r].x : 0u);
+            const float2 b = gpu::word_to_float2<T>(in ? raw[kc][half][r].y : 0u);
             float* xs = x[kc][half][r];
             xs[0] = a.x, xs[1] = a.y, xs[2] = b.x, xs[3] = b.y;
           }
@@ -181,7 +197,7 @@ struct QOperand {
           for (int i = 0; i < 4; ++i)
             c[i] = round_to_low_bits(__fmul_rn(x[kc][half][r][i], inv[r]));
           const int row = warp_row0 + 8 * r, col = 32 * kc + 16 * half + 4 * t;
-          st_shared_u32(s_q_addr + swizzled_offset(row, col, D),
+          st_shared_u32(s_q_addr + QKLayout<D>::template offset<64>(row, col),
                         __byte_perm(__byte_perm(c[0], c[1], 0x0040), __byte_perm(c[2], c[3], 0x0040),
                                     0x5410));
         }
@@ -256,7 +272,7 @@ __device__ __forceinline__ float smooth_q_key_bias(const int8_t* k_tile, int j, 
   float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int c0 = 0; c0 < D; c0 += 16) {
-    const int4 w = *reinterpret_cast<const int4*>(k_tile + swizzled_offset(j, c0, D));
+    const int4 w = *reinterpret_cast<const int4*>(k_tile + QKLayout<D>::template offset<kBlockKV>(j, c0));
     const int8_t* b = reinterpret_cast<const int8_t*>(&w);
 #pragma unroll
     for (int i = 0; i < 16; ++i)

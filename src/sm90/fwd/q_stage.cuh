@@ -24,6 +24,7 @@
 #include "numerics/quant_rules.h"
 #include "sm90/fwd/params.h"
 #include "common/ptx.cuh"
+#include "sm90/fwd/qk_layout.cuh"
 
 namespace sage::sm90 {
 
@@ -33,7 +34,7 @@ namespace sage::sm90 {
 template <int D>
 __device__ __forceinline__ const float* balance_of_head(const AttentionParams& p, int64_t kv_head) {
   if (p.kv.qk_balance == nullptr || p.kv.qk_balance_active[kv_head] == 0) return nullptr;
-  return p.kv.qk_balance + kv_head * D;
+  return p.kv.qk_balance + kv_head * quant::kv_layout_head_dim(D);  // the workspace's rows
 }
 
 template <int D, class T>
@@ -41,8 +42,11 @@ struct QStage {
   static constexpr int kBlockQ = sage::sm90::kBlockQ<D>;
   static constexpr int kThreads = 96;              // warps 1..3 of the producer warpgroup
   static constexpr int kGroups = kBlockQ / 2;      // row pairs (r, r + 8) of the tile
-  static constexpr int kBoxes = D / 64;            // 128-byte TMA boxes of 64 elements per row
-  static constexpr int kRawBytes = kBlockQ * D * 2;  // the fp16/bf16 tile
+  // 128-byte TMA boxes of 64 elements per row; at d = 96 the second box's last 32 columns
+  // and past a smaller caller's head dim, every column, lie outside the tensor map: zeros.
+  static constexpr int kBoxes = (D + 63) / 64;
+  static constexpr int kRawBytes = kBlockQ * kBoxes * 128;  // the fp16/bf16 tile (whole boxes)
+  using L = QKLayout<D>;
   static_assert(sizeof(T) == 2, "Q is fp16 or bf16 here");
 
   // One thread: the raw tile of the Q tile at row q0 of (batch b, head h). Rows past n_q are
@@ -84,7 +88,7 @@ struct QStage {
       for (int r = 0; r < 2; ++r)
         amax[r] = kBalanced ? balanced_row_amax(raw, row0 + 8 * r, balance) : row_amax(raw, row0 + 8 * r);
       if (!per_token) amax[0] = amax[1] = rules::max_nan(amax[0], amax[1]);
-      const uint32_t q_wg = q + cw * 64 * D;
+      const uint32_t q_wg = q + cw * 64 * L::kRowBytes;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = row0 + 8 * r;
@@ -104,7 +108,7 @@ struct QStage {
           else
             codes = make_uint4(codes4(lo.x, lo.y, inv), codes4(lo.z, lo.w, inv),
                                codes4(hi.x, hi.y, inv), codes4(hi.z, hi.w, inv));
-          st_shared_v4(q_wg + swizzled_offset(row - 64 * cw, col, D), codes);
+          st_shared_v4(q_wg + L::template offset<64>(row - 64 * cw, col), codes);
         }
       }
     }

@@ -26,11 +26,12 @@ struct UniformSeqLen {
     return b * p.lse_stride_b + h * p.lse_stride_h;
   }
   // The quantized K/V head (b, kv head hk): its index in the workspace, and its first K row
-  // and V row in the TMA maps' 2-D views.
+  // and V row in the TMA maps' 2-D views (Row: the workspace's channels per head,
+  // quant::kv_layout_head_dim).
   __device__ __forceinline__ int64_t kv_head(int b, int hk) const { return (int64_t)b * p.heads_kv + hk; }
   __device__ __forceinline__ int k_row0(int b, int hk) const { return (b * p.heads_kv + hk) * p.n_pad; }
-  template <int D>
-  __device__ __forceinline__ int v_row0(int b, int hk) const { return (b * p.heads_kv + hk) * D; }
+  template <int Row>
+  __device__ __forceinline__ int v_row0(int b, int hk) const { return (b * p.heads_kv + hk) * Row; }
 };
 
 }  // namespace sage::sm90

@@ -6,6 +6,7 @@
 
 #include "common/ptx.cuh"
 #include "sm90/fwd/kernel_traits.h"
+#include "sm90/fwd/qk_layout.cuh"
 
 namespace sage::sm90 {
 
@@ -17,11 +18,13 @@ template <int D, int Stages, int VBytes, bool QStage, int VOnesRows>
 struct SharedStorage {
   static constexpr int kConsumers = kConsumerWarpgroups<D>;
   static constexpr int kQBuffers = QStage ? 2 : 1;
+  static constexpr int kQKRow = QKLayout<D>::kRowBytes;  // Q and K rows (qk_layout.cuh)
+  static constexpr int kQRawBoxes = (D + 63) / 64;  // the Q stage's 64-element TMA boxes per row
   // Quantized Q tiles, one per consumer warpgroup (per buffer).
-  alignas(1024) int8_t q[kQBuffers][kConsumers][64 * D];
-  alignas(1024) int8_t k[Stages][kBlockKV * D];
+  alignas(1024) int8_t q[kQBuffers][kConsumers][64 * kQKRow];
+  alignas(1024) int8_t k[Stages][kBlockKV * kQKRow];
   alignas(1024) uint8_t v[Stages][(D + VOnesRows) * kBlockKV * VBytes];
-  alignas(1024) uint8_t q_raw[QStage ? kBlockQ<D> * D * 2 : 16];  // the stage's fp16/bf16 tile
+  alignas(1024) uint8_t q_raw[QStage ? kBlockQ<D> * kQRawBoxes * 128 : 16];  // the stage's fp16/bf16 tile
   alignas(8) uint64_t full[Stages];
   alignas(8) uint64_t empty[Stages];
   // The Q stage: raw tile landed; buffer i quantized (stage -> consumers); buffer i read

@@ -57,15 +57,21 @@ bool q_tma_compatible(const AttentionParams& p) {
 AttentionMaps make_attention_maps(const AttentionParams& p, int head_dim, int v_bytes) {
   const uint64_t kv_heads = uint64_t(p.batch) * p.heads_kv;
   AttentionMaps m;
-  m.k = encode_2d_u8(p.kv.k, head_dim, kv_heads * p.n_pad, head_dim, kBlockKV,
-                     head_dim == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B);
+  // K rows are the workspace's kv_layout_head_dim bytes; a box is one swizzle span of them
+  // (the kernel loads row / span boxes per tile: qk_layout.cuh, kernel_traits k_swizzle_bytes).
+  const KernelTraits t = kernel_traits(head_dim, Variant{});
+  const uint32_t row = uint32_t(t.qk_row_bytes), span = uint32_t(t.k_swizzle_bytes);
+  m.k = encode_2d_u8(p.kv.k, row, kv_heads * p.n_pad, span, kBlockKV,
+                     span == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B);
   // V rows hold n_pad tokens of v_bytes each; a box is one 128-byte swizzle span (128 8-bit
-  // tokens, or 64 fp16 ones: the kernel loads two boxes per fp16 tile).
-  m.v = encode_2d_u8(p.kv.vt, uint64_t(p.n_pad) * v_bytes, kv_heads * head_dim, 128, head_dim,
+  // tokens, or 64 fp16 ones: the kernel loads two boxes per fp16 tile) of the head's first
+  // head_dim (the kernel's) of its `row` channel rows.
+  m.v = encode_2d_u8(p.kv.vt, uint64_t(p.n_pad) * v_bytes, kv_heads * row, 128, head_dim,
                      CU_TENSOR_MAP_SWIZZLE_128B);
   m.q = CUtensorMap{};
   if (p.q_stage) {
-    const cuuint64_t dims[4] = {uint64_t(head_dim), uint64_t(p.n_q), uint64_t(p.heads_q),
+    // The caller's head dim: columns past it (and past the tensor) arrive as zeros.
+    const cuuint64_t dims[4] = {uint64_t(p.head_dim), uint64_t(p.n_q), uint64_t(p.heads_q),
                                 uint64_t(p.batch)};
     const cuuint64_t strides[3] = {q_stride_bytes(p.q_stride_n, p.n_q),
                                    q_stride_bytes(p.q_stride_h, p.heads_q),
