@@ -34,7 +34,8 @@ set(_all_variants
   fp16:per_token:0           # sage1_t
   fp16:per_tile:0            # sage1_b
   int8:per_token:0           # sage1_vt, int_flash, int_flash_q
-  int8:per_tile:0)           # sage1_vb
+  int8:per_tile:0            # sage1_vb
+  int8_dynamic:per_tile:0)   # sagebwd (forward)
 # A subset for quick experiment builds (gpu_run.sh knobs: sage2_8b only); a recipe whose
 # variant is left out is refused by name at run time.
 set(SAGE_KERNEL_VARIANTS "all" CACHE STRING

@@ -27,6 +27,10 @@ enum class PVPath : int {
   e4m3_fp16x2,     // SageAttention2++: E4M3 P and V, f16 accumulator over two k32 MMAs
   fp16,            // SageAttention (T/B): fp16 P and V, f16 accumulator over a tile
   int8,            // SageAttention (vT/vB), INT-FlashAttention: INT8 P and V, s32 per tile
+  // SageBwd's forward: INT8 P with one scale per row and tile from the softmax's own maxima
+  // (PScale::per_token) and INT8 V with one scale per K/V tile (VScale::per_block); s32 per
+  // tile, both scales applied with one fma as the tile folds into O.
+  int8_dynamic,
 };
 
 // How the K scales are stored: a few groups per 128-token tile (per_thread / per_block /
@@ -36,7 +40,7 @@ enum class KScales : int { per_tile, per_token };
 // The V format the quantizer writes for a path (quant/kv_layout.h).
 constexpr quant::VFormat v_format(PVPath path) {
   return path == PVPath::fp16 ? quant::VFormat::fp16
-         : path == PVPath::int8 ? quant::VFormat::int8
+         : path == PVPath::int8 || path == PVPath::int8_dynamic ? quant::VFormat::int8
                                 : quant::VFormat::e4m3;
 }
 // Bytes per element of the transposed V tile each path streams.
@@ -99,7 +103,10 @@ constexpr KernelTraits kernel_traits(int head_dim, Variant v) {
   t.consumer_regs = (t.launch_regs * t.threads - t.producer_regs * 128) / (128 * t.consumers) / 8 * 8;
   // The software pipeline, except where ptxas (CUDA 13.0) spilled it heavily: at d = 128
   // INT8 and f16-pair PV; at d = 64 Q smoothing and per-token K scales (docs/design.md).
-  t.overlap_pv = head_dim == 64
+  // int8_dynamic (SageBwd) runs one tile at a time: its per-tile P and V scales would be one
+  // more pending pair in the pipeline, not written yet (correctness first).
+  t.overlap_pv = v.path == PVPath::int8_dynamic ? false
+                 : head_dim == 64
                      ? v.k_scales == KScales::per_tile && !v.smooth_q
                      : v.path == PVPath::e4m3_two_level || v.path == PVPath::fp16;
   t.v_ones_rows = v_ones_rows(head_dim, v.path);

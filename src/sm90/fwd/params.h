@@ -62,6 +62,10 @@ struct AttentionParams {
   // The keys each row sees (mask.cuh): Problem's normalized window, causal folded in as
   // window_right = 0; -1 unbounded. After the schedule, so that no earlier field moves.
   int window_left, window_right;
+  // Optional (training, SageBwd): L2 = m + log2(l / p_max) per row, the row's log-sum in the
+  // base-2 domain of the smoothed, quantized scores (docs/numerics.md, "What the forward
+  // saves"), dense [B, Hq, n_q]; -inf for a row without keys. Last, so no field moves.
+  float* lse2;
 };
 
 }  // namespace sage::sm90
