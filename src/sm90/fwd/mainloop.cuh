@@ -165,9 +165,14 @@ struct Mainloop {
       float inv[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        inv[r] = rules::symmetric_inverse(softmax.peak[r], float(rules::kInt8Max));
-        pv_factor[r] =
-            __fmul_rn(rules::symmetric_scale(softmax.peak[r], float(rules::kInt8Max)), v_tile_scale);
+        // peak < 0: the row sees no key of the tile and adds nothing (the simulator does not
+        // visit the tile for it): inverse and factor 0, not 0 times the tile's V scale, which
+        // is NaN where V holds a non-finite value. (symmetric_inverse gives 0 for peak <= 0.)
+        const float peak = softmax.peak[r];
+        inv[r] = rules::symmetric_inverse(peak, float(rules::kInt8Max));
+        pv_factor[r] = peak < 0.f ? 0.f
+                                  : __fmul_rn(rules::symmetric_scale(peak, float(rules::kInt8Max)),
+                                              v_tile_scale);
       }
       PV::pack(sc, pa, code_sum, inv);
     } else {
