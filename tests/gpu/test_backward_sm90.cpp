@@ -260,6 +260,28 @@ Kernel run_kernel(const BwdCase& c, Inputs& x) {
 Kernel run_kernel(const BwdCase&, Inputs&) { throw std::logic_error("no CUDA in this build"); }
 #endif
 
+// Where a gradient differs most from the simulator's, in words (batch, head, token, channel and
+// the token's 64-row Q tile or 128-key K/V tile), to localize a failure to a stage.
+std::string worst_element(const BwdCase& c, const std::string& name, const std::vector<float>& got,
+                          const std::vector<float>& sim) {
+  size_t at = 0;
+  double worst = -1;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double e = std::isfinite(got[i]) ? std::fabs(double(got[i]) - sim[i]) : INFINITY;
+    if (e > worst) worst = e, at = i;
+  }
+  if (got.empty()) return "empty";
+  const bool q_side = name == "dq";
+  const int64_t n = q_side ? c.n_q : c.n_kv, heads = q_side ? c.heads_q : c.heads_kv;
+  const int64_t ch = int64_t(at) % c.head_dim, row = int64_t(at) / c.head_dim;
+  const int64_t tok = row % n, h = (row / n) % heads, b = row / n / heads;
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "worst at b %lld h %lld %s %lld (tile %lld) channel %lld: kernel %g, simulator %g",
+                (long long)b, (long long)h, q_side ? "row" : "key", (long long)tok,
+                (long long)(tok / (q_side ? 64 : 128)), (long long)ch, double(got[at]), double(sim[at]));
+  return buf;
+}
+
 int64_t nonfinite(const std::vector<float>& x) {
   return std::count_if(x.begin(), x.end(), [](float v) { return !std::isfinite(v); });
 }
@@ -290,7 +312,8 @@ void expect_case(const BwdCase& c) {
     const reference::ErrorStats vs_exact = reference::compare(g.got.data(), g.exact.data(), n);
     const reference::ErrorStats sim_exact = reference::compare(g.sim.data(), g.exact.data(), n);
     // All-zero gradients (no key seen anywhere) compare as equal: cosine 1 both ways.
-    EXPECT_GE(vs_sim.cosine, 0.99999) << g.name << " against the simulator";
+    EXPECT_GE(vs_sim.cosine, 0.99999) << g.name << " against the simulator; "
+                                      << worst_element(c, g.name, g.got, g.sim);
     const double recipe_err = 1 - sim_exact.cosine;
     if (recipe_err < 1e-2)
       EXPECT_LE(1 - vs_exact.cosine, 1.02 * recipe_err + 1e-5) << g.name << " against float64";
