@@ -43,6 +43,7 @@ Ops:
 """
 
 import contextlib
+import warnings
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -216,6 +217,22 @@ def check_backward_options(window_left: int, window_right: int, is_causal: bool,
     return is_causal or window_right == 0
 
 
+def _alert_not_deterministic() -> None:
+    """torch's rule for an op without a deterministic implementation (as its own
+    alertNotDeterministic): an error under torch.use_deterministic_algorithms(True), a
+    warning with warn_only=True. The backward sums dQ (and dK, dV under GQA) with fp32
+    atomics, so its last bits may change from run to run."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return
+    message = ("sagekit::attention_backward does not have a deterministic implementation (it "
+               "sums dQ, and dK, dV across a GQA group, with fp32 atomics), but you set "
+               "'torch.use_deterministic_algorithms(True)'")
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(message)
+    else:
+        raise RuntimeError(message)
+
+
 def _gpu_view(t: torch.Tensor) -> torch.Tensor:
     """t, or a dense copy where the GPU kernels could not read it in place: autograd hands
     the output gradient over with any strides (an expanded scalar from .sum() has stride 0
@@ -233,6 +250,7 @@ def _attention_backward_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              window_right: int, scale: Optional[float], recipe: str
                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     causal = check_backward_options(window_left, window_right, is_causal, recipe)
+    _alert_not_deterministic()
     _require_cuda_build()
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
