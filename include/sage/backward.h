@@ -3,8 +3,8 @@
 //
 // Only recipes with a backward (has_backward: the sagebwd preset, SageBwd's configuration, or
 // a custom recipe that sets the four backward formats) have one; docs/numerics.md, "The
-// backward", states what it computes step by step. The CPU references live here; the GPU
-// kernels do not exist yet.
+// backward", states what it computes step by step. The CPU references and the GPU entry point
+// (attention_backward, sm_90a: sagebwd's configuration) live here.
 //
 // Shapes follow attention.h (HND shown; NHD swaps tokens and heads):
 //   q, dout, dq, out  [batch, heads_q,  n_q,  head_dim]
@@ -39,6 +39,28 @@ AttentionArgs forward_args(const BackwardArgs& args);
 // Checks every argument (the recipe's backward included) and returns the problem's shape;
 // throws sage::Error naming the first bad argument.
 Problem check_backward_args(const BackwardArgs& args, DeviceKind device);
+
+// ---- GPU (sm_90a) -------------------------------------------------------------------------
+// attention_backward runs the recipe's forward (writing out and lse where they are given; a
+// training step that has them from its own forward call gets the same bits again) and then its
+// backward, and writes dq, dk, dv, with the view-and-workspace conventions of attention()
+// (attention.h): views in cuda memory, rows of q, k, v and dout 16-byte aligned, the gradients
+// in q's dtype (fp16 or bf16), a caller-provided workspace of backward_workspace_bytes(args)
+// bytes aligned to 256, asynchronous on `stream` (a cudaStream_t).
+//
+// Which recipes: those whose backward the sm_90 kernel implements (gpu_supports_backward):
+// sagebwd's choices, INT8 Q/K per_block (K smoothing optional), dV, dQ, dK int8, dP fp16, P per
+// key (bwd_p_granularity per_token), dS per tile (bwd_ds_granularity per_block). Any other
+// recipe is refused by name (no fallback); the simulator runs them.
+//
+// Determinism: dQ is summed across the K/V tiles' CTAs and dK, dV across a GQA group's query
+// heads with fp32 atomics, so the order of those float additions (and the last bits of dq, and
+// of dk, dv under GQA) may differ from run to run. There is no deterministic mode yet.
+size_t backward_workspace_bytes(const BackwardArgs& args);
+void attention_backward(const BackwardArgs& args, void* workspace, size_t workspace_size,
+                        void* stream);
+// Whether the sm_90 backward implements this recipe (false in a CPU-only build).
+bool gpu_supports_backward(const Recipe& recipe);
 
 namespace reference {
 // Gradients in float64 (softmax attention differentiated exactly; the recipe is ignored),

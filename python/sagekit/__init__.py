@@ -4,7 +4,7 @@ Works with NumPy alone (the CPU references: simulate, exact, their gradients
 simulate_backward, exact_backward, and packed variable-length batches simulate_varlen,
 exact_varlen) and, when torch is installed, adds the GPU front end
 (sageattn, scaled_dot_product_attention, patch_sdpa) built on the custom ops in sagekit.ops
-(torch.ops.sagekit.*), and the same attention in two steps (quantize_kv once, then
+(torch.ops.sagekit.*; with recipe="sagebwd", loss.backward() trains through them), and the same attention in two steps (quantize_kv once, then
 sageattn_quantized_kv any number of times).
 sageattn_varlen (flash_attn_varlen_func's arguments) exists but has no GPU kernel yet: it
 raises a named ArgumentError.
@@ -13,7 +13,7 @@ sagekit.compat has the reference SageAttention package's functions, with its sig
 
 from . import _C
 from ._C import (ArgumentError, CudaError, gpu_available, gpu_head_dims, gpu_kernel_head_dims,
-                 gpu_supports)
+                 gpu_supports, gpu_supports_backward)
 from ._recipes import presets, recipe
 from .calibration import calibrate, load_layer_choices
 from .reference import (exact, exact_backward, exact_varlen, simulate, simulate_backward,
@@ -55,8 +55,8 @@ else:
 __all__ = [
     "ArgumentError", "CudaError", "QuantizedKV", "SdpaPatch", "calibrate", "cuda_built", "exact",
     "exact_backward", "exact_varlen",
-    "gpu_available", "gpu_head_dims", "gpu_kernel_head_dims", "gpu_supports", "load_layer_choices",
-    "ops", "patch_sdpa",
+    "gpu_available", "gpu_head_dims", "gpu_kernel_head_dims", "gpu_supports",
+    "gpu_supports_backward", "load_layer_choices", "ops", "patch_sdpa",
     "presets", "quantize_kv", "recipe", "sageattn", "sageattn_quantized_kv", "sageattn_varlen",
     "scaled_dot_product_attention", "simulate", "simulate_backward", "simulate_varlen",
 ]

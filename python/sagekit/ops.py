@@ -18,6 +18,16 @@ Ops:
     else an empty tensor. window_left, window_right: the sliding window (-1: unbounded).
     recipe: a preset name, a spec string or "auto".
 
+  torch.ops.sagekit.attention_backward(q, k, v, dout, layout, is_causal, window_left,
+                                       window_right, scale, recipe) -> (dq, dk, dv)
+    the gradients of sagekit::attention's output (the C++ attention_backward: the recipe's
+    forward again, then its backward); dq, dk, dv: q's, k's and v's shapes, contiguous in
+    the call's layout, q's dtype. Only recipes with a backward (sagebwd) and no sliding
+    window; anything else raises sagekit.ArgumentError naming `recipe` or `window_size`.
+    sagekit::attention's registered autograd formula calls it, so loss.backward() through
+    sageattn(..., recipe="sagebwd") works, in eager mode, under torch.compile and in CUDA
+    graphs. The LSE output is not differentiable (see _attention_setup_context).
+
   The same call in two steps (the C++ quantize_kv / attention_from_quantized_kv), so that
   K/V are quantized once and attended many times (a KV cache, several query sets, timing
   the attention kernel without the K/V pre-pass):
@@ -33,6 +43,7 @@ Ops:
 """
 
 import contextlib
+import warnings
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -41,7 +52,7 @@ from . import _C
 from ._errors import argument_error
 from .reference import dlpack_capsule
 
-__all__ = ["attention", "attention_from_quantized_kv", "quantize_kv"]
+__all__ = ["attention", "attention_backward", "attention_from_quantized_kv", "quantize_kv"]
 
 # Capability lookups go through the CUDA runtime; one per device and process is enough.
 _capability: Dict[int, Tuple[int, int]] = {}
@@ -180,6 +191,126 @@ def _attention_fake(q, k, v, layout, is_causal, window_left, window_right, scale
     return out, lse
 
 
+# ---- the backward (training) ----------------------------------------------------------------
+
+def check_backward_options(window_left: int, window_right: int, is_causal: bool,
+                           recipe: str) -> bool:
+    """Refuses, by name, what the backward cannot differentiate, before any GPU work; returns
+    the causal flag of the backward call.
+
+    The C++ backward has no sliding window: window_size (-1, -1) is none and (-1, 0) is the
+    causal mask (the forward computes the same bits for both), anything else is refused. A
+    recipe must have a backward (has_backward: sagebwd and its variants); "auto" never has
+    one (it is sage2_8b_balanced on compute capability 9.0, an error elsewhere).
+    """
+    if (window_left, window_right) not in ((-1, -1), (-1, 0)):
+        raise argument_error("window_size", "the backward has no sliding window (got "
+                             f"({window_left}, {window_right})); train with window_size=(-1, -1) "
+                             "(or is_causal=True), or run the windowed call under torch.no_grad()")
+    if recipe == "auto":
+        raise argument_error("recipe", f"'auto' ({AUTO_RECIPE} on compute capability 9.0) has no "
+                             "backward; use recipe='sagebwd' to train, or run the call under "
+                             "torch.no_grad()")
+    if not _C.has_backward(recipe):  # validates the recipe too (errors name the option)
+        raise argument_error("recipe", f"'{recipe}' has no backward; use recipe='sagebwd' to "
+                             "train, or run the call under torch.no_grad()")
+    return is_causal or window_right == 0
+
+
+def _alert_not_deterministic() -> None:
+    """torch's rule for an op without a deterministic implementation (as its own
+    alertNotDeterministic): an error under torch.use_deterministic_algorithms(True), a
+    warning with warn_only=True. The backward sums dQ (and dK, dV under GQA) with fp32
+    atomics, so its last bits may change from run to run."""
+    if not torch.are_deterministic_algorithms_enabled():
+        return
+    message = ("sagekit::attention_backward does not have a deterministic implementation (it "
+               "sums dQ, and dK, dV across a GQA group, with fp32 atomics), but you set "
+               "'torch.use_deterministic_algorithms(True)'")
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(message)
+    else:
+        raise RuntimeError(message)
+
+
+def _gpu_view(t: torch.Tensor) -> torch.Tensor:
+    """t, or a dense copy where the GPU kernels could not read it in place: autograd hands
+    the output gradient over with any strides (an expanded scalar from .sum() has stride 0
+    everywhere), and the kernels read it in 16-byte pieces along head_dim."""
+    es = t.element_size()
+    if t.numel() == 0 or ((t.shape[-1] <= 1 or t.stride(-1) == 1)
+                          and all(s * es % 16 == 0 for s in t.stride()[:-1])
+                          and t.data_ptr() % 16 == 0):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _attention_backward_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             dout: torch.Tensor, layout: str, is_causal: bool, window_left: int,
+                             window_right: int, scale: Optional[float], recipe: str
+                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    causal = check_backward_options(window_left, window_right, is_causal, recipe)
+    _alert_not_deterministic()
+    _require_cuda_build()
+    if dout.dtype != q.dtype:
+        dout = dout.to(q.dtype)
+    dout = _gpu_view(dout)
+    # Contiguous in the call's layout, q's dtype (the GPU writes each gradient once, rounded to
+    # the inputs' 16-bit dtype); autograd accepts any strides for an input's gradient.
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=q.dtype, device=q.device)
+    dv = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    with _on_device(q.device) as stream:
+        _C.attention_backward(dlpack_capsule(q), dlpack_capsule(k), dlpack_capsule(v),
+                              dlpack_capsule(dout), dlpack_capsule(dq), dlpack_capsule(dk),
+                              dlpack_capsule(dv), layout=layout, causal=causal, sm_scale=scale,
+                              recipe=recipe, workspace=_allocate(q.device), stream=stream)
+    return dq, dk, dv
+
+
+attention_backward = torch.library.custom_op("sagekit::attention_backward", mutates_args=(),
+                                            device_types="cuda")(_attention_backward_body)
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(q, k, v, dout, layout, is_causal, window_left, window_right, scale,
+                             recipe):
+    return (q.new_empty(q.shape), k.new_empty(k.shape, dtype=q.dtype),
+            v.new_empty(v.shape, dtype=q.dtype))
+
+
+def _attention_setup_context(ctx, inputs, output):
+    (q, k, v, layout, is_causal, window_left, window_right, scale, recipe, _return_lse,
+     _q_scale, _k_scale, _v_scale, _out_dtype) = inputs
+    ctx.save_for_backward(q, k, v)
+    ctx.options = (layout, is_causal, window_left, window_right, scale, recipe)
+    # The LSE is not differentiable, as the logsumexp of torch's own flash and efficient SDPA
+    # ops is not: it comes back with requires_grad=False, so no gradient can reach it (a loss
+    # through it alone raises torch's "does not require grad"; through out and the LSE, the
+    # gradient is out's). The C++ backward has no LSE gradient input.
+    ctx.mark_non_differentiable(output[1])
+
+
+_SCALES = ("q_scale", "k_scale", "v_scale")
+
+
+def _attention_backward_formula(ctx, grad_out, _grad_lse):
+    needs = ctx.needs_input_grad
+    for name, need in zip(_SCALES, needs[10:13]):
+        if need:
+            raise argument_error(name, "prequantized inputs have no gradient (their int8 "
+                                 "values and scales are not differentiable); detach it or run "
+                                 "the call under torch.no_grad()")
+    grads = (None, None, None)
+    if any(needs[:3]):
+        q, k, v = ctx.saved_tensors
+        grads = attention_backward(q, k, v, grad_out, *ctx.options)
+    return (*(g if need else None for g, need in zip(grads, needs[:3])),) + (None,) * 11
+
+
+attention.register_autograd(_attention_backward_formula, setup_context=_attention_setup_context)
+
+
 def _quantize_kv_body(k: torch.Tensor, v: torch.Tensor, layout: str, recipe: str,
                 k_scale: Optional[torch.Tensor],
                 v_scale: Optional[torch.Tensor]) -> torch.Tensor:
@@ -258,8 +389,9 @@ def _attention_from_quantized_kv_fake(q, k, v, workspace, layout, is_causal, win
 # timed call at short N pays. When nothing but plain eager dispatch would see the call, the
 # body is what the dispatcher would run, so the front end calls it directly; anything else
 # (torch.compile tracing, fake or subclassed tensors, an input that needs grad while grad is
-# on (the op then refuses the backward pass), dispatch or function modes, functorch
-# transforms) goes through the op.
+# on (only the op records the autograd node: sagebwd's gradients, or the named refusal of a
+# recipe without a backward), dispatch or function modes, functorch transforms) goes through
+# the op.
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _function_modes = getattr(torch._C, "_is_torch_function_mode_enabled", None)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)

@@ -95,7 +95,8 @@ void require_host(const sage::AttentionArgs& a) {
                 {&a.q_scale, "q_scale"}, {&a.k_scale, "k_scale"}, {&a.v_scale, "v_scale"}});
 }
 
-// The backward references' arguments, imported once; every view must be in host memory.
+// A backward call's arguments, imported once; for the CPU references (host) every view must
+// be in host memory.
 struct BackwardCall {
   ViewSet arrays;
   sage::BackwardArgs args;
@@ -104,7 +105,7 @@ struct BackwardCall {
 void fill_backward(BackwardCall& c, nb::handle q, nb::handle k, nb::handle v, nb::handle dout,
                    nb::handle dq, nb::handle dk, nb::handle dv, nb::handle out, nb::handle lse,
                    const std::string& layout, bool causal, std::optional<double> sm_scale,
-                   nb::handle recipe) {
+                   nb::handle recipe, bool host = true) {
   sage::BackwardArgs& a = c.args;
   fill_shared(a, c.arrays, q, k, v, layout, causal, sm_scale, recipe);
   a.dout = c.arrays.input(dout, "dout");
@@ -113,6 +114,7 @@ void fill_backward(BackwardCall& c, nb::handle q, nb::handle k, nb::handle v, nb
   a.dv = c.arrays.output(dv, "dv");
   a.out = c.arrays.output(out, "out");
   a.lse = c.arrays.output(lse, "lse");
+  if (!host) return;
   require_host({{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.dout, "dout"}, {&a.dq, "dq"},
                 {&a.dk, "dk"}, {&a.dv, "dv"}, {&a.out, "out"}, {&a.lse, "lse"}});
 }
@@ -215,6 +217,33 @@ void* workspace_range(ViewSet& arrays, nb::handle buffer, size_t need, const sag
   return ptr;
 }
 
+// The device workspace of a one-call GPU entry point (attention, attention_backward): `need`
+// bytes from `workspace`, a buffer or a callable(nbytes) returning one, on `device`. An
+// allocator's buffer is kept in `keep` until the launch is queued.
+void* call_workspace(ViewSet& arrays, nb::handle workspace, size_t need, const sage::Device& device,
+                     nb::object& keep, size_t* size) {
+  *size = 0;
+  if (need == 0) return nullptr;
+  nb::handle buffer = workspace;
+  if (workspace.is_none())
+    throw sage::Error("workspace", "these arguments need " + std::to_string(need) +
+                                       " bytes of device workspace; pass a buffer or "
+                                       "an allocator callable(nbytes)");
+  if (PyCallable_Check(workspace.ptr())) {
+    keep = workspace(need);
+    buffer = keep;
+  }
+  sage::Device dev;
+  void* ws = arrays.bytes(buffer, "workspace", size, &dev);
+  if (dev != device)
+    throw sage::Error("workspace", "must be on q's device " + sage::device_name(device) +
+                                       " (got " + sage::device_name(dev) + ")");
+  if (*size < need)
+    throw sage::Error("workspace", "needs at least " + std::to_string(need) + " bytes (got " +
+                                       std::to_string(*size) + ")");
+  return ws;
+}
+
 PyObject* g_argument_error = nullptr;
 PyObject* g_cuda_error = nullptr;
 
@@ -289,29 +318,9 @@ NB_MODULE(_C, m) {
         fill(c, q, k, v, out, lse, layout, causal, {window_left, window_right}, sm_scale, recipe,
              q_scale, k_scale, v_scale);
         const size_t need = sage::workspace_bytes(c.args);
-        void* ws = nullptr;
         size_t ws_size = 0;
         nb::object allocated;  // keeps an allocator's buffer alive until the launch is queued
-        if (need > 0) {
-          nb::handle buffer = workspace;
-          if (workspace.is_none())
-            throw sage::Error("workspace", "these arguments need " + std::to_string(need) +
-                                               " bytes of device workspace; pass a buffer or "
-                                               "an allocator callable(nbytes)");
-          if (PyCallable_Check(workspace.ptr())) {
-            allocated = workspace(need);
-            buffer = allocated;
-          }
-          sage::Device dev;
-          ws = c.arrays.bytes(buffer, "workspace", &ws_size, &dev);
-          if (dev != c.args.q.device)
-            throw sage::Error("workspace", "must be on q's device " +
-                                               sage::device_name(c.args.q.device) + " (got " +
-                                               sage::device_name(dev) + ")");
-          if (ws_size < need)
-            throw sage::Error("workspace", "needs at least " + std::to_string(need) +
-                                               " bytes (got " + std::to_string(ws_size) + ")");
-        }
+        void* ws = call_workspace(c.arrays, workspace, need, c.args.q.device, allocated, &ws_size);
         nb::gil_scoped_release unlocked;
         sage::attention(c.args, ws, ws_size, reinterpret_cast<void*>(stream));
       },
@@ -442,6 +451,66 @@ NB_MODULE(_C, m) {
       "Whether a recipe (preset name, spec string or dict) has an sm_90 kernel in this build "
       "(False in a build without CUDA); attention() refuses the others with an error naming "
       "what is missing.");
+
+  // The backward (training) on the GPU: attention()'s conventions, with dout in and dq, dk,
+  // dv (and optionally the forward's out and lse) written.
+  m.def(
+      "attention_backward",
+      [](nb::handle q, nb::handle k, nb::handle v, nb::handle dout, nb::handle dq, nb::handle dk,
+         nb::handle dv, nb::handle out, nb::handle lse, const std::string& layout, bool causal,
+         std::optional<double> sm_scale, nb::handle recipe, nb::handle workspace,
+         uintptr_t stream) {
+        BackwardCall c;
+        fill_backward(c, q, k, v, dout, dq, dk, dv, out, lse, layout, causal, sm_scale, recipe,
+                      /*host=*/false);
+        const size_t need = sage::backward_workspace_bytes(c.args);
+        size_t ws_size = 0;
+        nb::object allocated;  // keeps an allocator's buffer alive until the launch is queued
+        void* ws = call_workspace(c.arrays, workspace, need, c.args.q.device, allocated, &ws_size);
+        nb::gil_scoped_release unlocked;
+        sage::attention_backward(c.args, ws, ws_size, reinterpret_cast<void*>(stream));
+      },
+      "q"_a.none(), "k"_a.none(), "v"_a.none(), "dout"_a.none(), "dq"_a.none(), "dk"_a.none(),
+      "dv"_a.none(), "out"_a.none() = nb::none(), "lse"_a.none() = nb::none(), nb::kw_only(),
+      "layout"_a = "HND", "causal"_a = false, "sm_scale"_a = nb::none(),
+      "recipe"_a.none() = "sagebwd", "workspace"_a.none() = nb::none(), "stream"_a = 0,
+      "The gradients of attention on the GPU (sm_90a), enqueued on `stream` (a cudaStream_t as "
+      "an int). Runs the recipe's forward again (writing out and lse where given), then its "
+      "backward: dq, dk, dv in q's dtype (dk, dv summed over the query heads of a GQA group), "
+      "with fp32 atomics (not bit-deterministic run to run). q, k, v: as for attention(); "
+      "dout: q's shape and dtype; dq, dk, dv: q's, k's and v's shapes, written; out: q's "
+      "shape, lse: [batch, heads_q, n_q] float32, optional, written. recipe: one the sm_90 "
+      "backward implements (gpu_supports_backward: sagebwd). workspace: a contiguous device "
+      "buffer of at least backward_workspace_bytes(...) bytes aligned to 256, or a "
+      "callable(nbytes) returning one.");
+  m.def(
+      "backward_workspace_bytes",
+      [](nb::handle q, nb::handle k, nb::handle v, nb::handle dout, nb::handle dq, nb::handle dk,
+         nb::handle dv, nb::handle out, nb::handle lse, const std::string& layout, bool causal,
+         std::optional<double> sm_scale, nb::handle recipe) {
+        BackwardCall c;
+        fill_backward(c, q, k, v, dout, dq, dk, dv, out, lse, layout, causal, sm_scale, recipe,
+                      /*host=*/false);
+        return sage::backward_workspace_bytes(c.args);
+      },
+      "q"_a.none(), "k"_a.none(), "v"_a.none(), "dout"_a.none(), "dq"_a.none(), "dk"_a.none(),
+      "dv"_a.none(), "out"_a.none() = nb::none(), "lse"_a.none() = nb::none(), nb::kw_only(),
+      "layout"_a = "HND", "causal"_a = false, "sm_scale"_a = nb::none(),
+      "recipe"_a.none() = "sagebwd",
+      "Bytes of device workspace attention_backward() needs for these arguments (raises in a "
+      "build without CUDA, like every GPU entry point there).");
+  m.def(
+      "gpu_supports_backward",
+      [](nb::handle recipe) { return sage::gpu_supports_backward(recipe_from(recipe)); },
+      "recipe"_a.none(),
+      "Whether the sm_90 backward implements a recipe (preset name, spec string or dict) in "
+      "this build: sagebwd's configuration (False in a build without CUDA); "
+      "attention_backward() refuses the others naming what is missing.");
+  m.def(
+      "has_backward", [](nb::handle recipe) { return sage::has_backward(recipe_from(recipe)); },
+      "recipe"_a.none(),
+      "Whether a recipe has a backward at all (its backward formats are set: sagebwd and its "
+      "variants); the CPU simulator runs every such recipe.");
 
   // The CPU references share everything but the function they call.
   auto host_reference = [](void (*reference)(const sage::AttentionArgs&)) {

@@ -104,8 +104,6 @@ AttentionArgs forward_args(const BackwardArgs& a) {
 }
 
 Problem check_backward_args(const BackwardArgs& a, DeviceKind device) {
-  if (device != DeviceKind::cpu)
-    throw Error("device", "the backward has CPU references only; no GPU kernel exists yet");
   if (a.recipe.inputs != Inputs::floating)
     throw Error("recipe.inputs", "the backward needs floating inputs (prequantized INT8 inputs "
                                  "have no gradient)");
@@ -122,7 +120,13 @@ Problem check_backward_args(const BackwardArgs& a, DeviceKind device) {
   } grads[] = {{&a.dq, "dq", &a.q, "q"}, {&a.dk, "dk", &a.k, "k"}, {&a.dv, "dv", &a.v, "v"}};
   for (const auto& g : grads) {
     check_like(*g.t, g.name, *g.like, g.like_name, a.layout, device);
-    check_gradient_dtype(*g.t, g.name);
+    if (device == DeviceKind::cpu) {
+      check_gradient_dtype(*g.t, g.name);
+    } else if (g.t->dtype != a.q.dtype) {
+      // The GPU writes each gradient once, rounded to the inputs' 16-bit dtype.
+      throw Error(g.name, std::string("dtype must equal q's dtype ") + dtype_name(a.q.dtype) +
+                              " on cuda (got " + dtype_name(g.t->dtype) + ")");
+    }
     check_no_self_overlap(*g.t, g.name);
   }
   return p;

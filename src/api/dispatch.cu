@@ -14,6 +14,7 @@
 #include "sage/attention.h"
 #include "sage/varlen.h"
 #include "api/varlen_gpu.h"
+#include "api/backward_gpu.h"
 #include "numerics/quant_rules.h"
 #include "numerics/tile.h"
 #include "built_kernels.h"
@@ -61,10 +62,17 @@ std::string gpu_variant(const Recipe& r, KernelVariant& v) {
     v.path = sm90::PVPath::fp16;
   else if (r.pv_format == PVFormat::int8 && static_p && scaled_v && r.pv_accum == PVAccum::fp32)
     v.path = sm90::PVPath::int8;
+  else if (r.pv_format == PVFormat::int8 && r.p_scale == PScale::per_token &&
+           r.v_scale == VScale::per_block && r.pv_accum == PVAccum::fp32)
+    v.path = sm90::PVPath::int8_dynamic;  // SageBwd's forward
   else
     return "P V as e4m3 (static P, per_channel/per_tensor V) with two_level or fp16x2_fp32 "
            "accumulation, fp16 with fp16 accumulation, or int8 (static P, per_channel/per_tensor "
-           "V) with fp32 accumulation";
+           "V; or per_token P with per_block V) with fp32 accumulation";
+  if (v.path == sm90::PVPath::int8_dynamic && r.row_sum == RowSum::quantized_p)
+    return "row_sum float_p with per_token P (the kernel sums P~, not its codes)";
+  if (v.path == sm90::PVPath::int8_dynamic && !(g == G::per_block || g == G::per_thread || g == G::per_warp))
+    return "per-tile K scales with per_token P (the P peak comes from the integer row max)";
   if (v.path == sm90::PVPath::int8 && r.p_range > float(rules::kInt8Max))
     return "p_range <= 127 with int8 P (P~ * p_range must fit a code)";
   if (r.row_sum == RowSum::quantized_p && v.path != sm90::PVPath::int8)
@@ -102,7 +110,7 @@ KernelVariant check_gpu_recipe(const Recipe& r) {
   const std::string missing = gpu_variant(r, v);
   if (!missing.empty())
     throw Error("recipe", "'" + r.name + "' has no sm_90 kernel (the GPU path needs " + missing +
-                              "); every preset except sage3_fp4 and sagebwd runs on the GPU");
+                              "); every preset except sage3_fp4 runs on the GPU");
   return v;
 }
 
@@ -129,14 +137,16 @@ Dims strides_of(const TensorView& t, Layout layout) {
 
 struct WorkspaceLayout {
   size_t k, vt, k_scale, k_mean, v_scale, v_mean, v_inv, k_amax, qk_balance, qk_balance_active,
-      q_amax, total;
+      q_amax, v_block_scale, total;
   int n_pad;
+  size_t heads;  // batch * heads_kv
 };
 
 WorkspaceLayout workspace_layout(const Problem& pr, sm90::PVPath path) {
   WorkspaceLayout w{};
   w.n_pad = int(std::max<int64_t>(1, ceil_div(pr.n_kv, sm90::kBlockKV)) * sm90::kBlockKV);
   const size_t heads = size_t(pr.batch) * pr.heads_kv;
+  w.heads = heads;
   // The workspace's channels per head: the caller's head dim padded with zero channels
   // (quant/kv_layout.h).
   const size_t d = size_t(quant::kv_layout_head_dim(int(pr.head_dim)));
@@ -159,6 +169,8 @@ WorkspaceLayout workspace_layout(const Problem& pr, sm90::PVPath path) {
   w.qk_balance = take(heads * d * sizeof(float));  // qk_channel_balance only
   w.qk_balance_active = take(heads * sizeof(int));
   w.q_amax = take(heads * d * sizeof(float));
+  // per_block V only: the tiles' scales, then their multipliers.
+  w.v_block_scale = take(2 * heads * (w.n_pad / sm90::kBlockKV) * sizeof(float));
   w.total = off;
   return w;
 }
@@ -175,6 +187,9 @@ quant::QuantizedKV quantized_kv_at(uint8_t* ws, const WorkspaceLayout& w, const 
   kv.k_amax = reinterpret_cast<float*>(ws + w.k_amax);
   kv.qk_balance = r.qk_channel_balance ? reinterpret_cast<float*>(ws + w.qk_balance) : nullptr;
   kv.qk_balance_active = r.qk_channel_balance ? reinterpret_cast<int*>(ws + w.qk_balance_active) : nullptr;
+  const bool per_block_v = r.v_scale == VScale::per_block;
+  kv.v_block_scale = per_block_v ? reinterpret_cast<float*>(ws + w.v_block_scale) : nullptr;
+  kv.v_block_inv = per_block_v ? kv.v_block_scale + size_t(w.n_pad / sm90::kBlockKV) * w.heads : nullptr;
   return kv;
 }
 
@@ -186,9 +201,10 @@ void check_workspace(const void* workspace, size_t workspace_size, size_t need) 
     throw Error("workspace", "must be a device pointer aligned to 256 bytes");
 }
 
-// The kernels' P factor: the simulator's static factor, or 1 for fp16 P (P~ itself).
+// The kernels' P factor: the simulator's static factor, or 1 for fp16 P and per-token P
+// (P~ itself; per-token P scales each row and tile in the PV operand).
 float p_format_max(const Recipe& r) {
-  return r.pv_format == PVFormat::fp16 ? 1.f : rules::p_static_max(r);
+  return r.pv_format == PVFormat::fp16 || r.p_scale == PScale::per_token ? 1.f : rules::p_static_max(r);
 }
 int qk_format_max(const Recipe& r) {
   return r.qk_format == QKFormat::int4 ? rules::kInt4Max : rules::kInt8Max;
@@ -236,6 +252,7 @@ void run_quantize_kv(const AttentionArgs& args, const Problem& pr, const KernelV
   qp.k_mean_stride = r.k_mean_stride;
   qp.v_format = sm90::v_format(v.path);
   qp.v_per_tensor = r.v_scale == VScale::per_tensor;
+  qp.v_per_block = r.v_scale == VScale::per_block;
   qp.v_max = rules::v_static_max(r);  // unused for fp16 V, which is not scaled
   if (r.inputs == Inputs::prequantized_int8) {
     // Scale views are [B, Hkv, n_kv] and [B, Hkv(, D)] whatever the layout.
@@ -255,7 +272,7 @@ void run_quantize_kv(const AttentionArgs& args, const Problem& pr, const KernelV
 
 template <int D, class T>
 void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVariant& v,
-                   uint8_t* ws, cudaStream_t stream) {
+                   uint8_t* ws, cudaStream_t stream, float* lse2) {
   if (pr.batch == 0 || pr.heads_q == 0 || pr.n_q == 0) return;
   const WorkspaceLayout w = workspace_layout(pr, v.path);
   const Recipe& r = args.recipe;
@@ -293,6 +310,7 @@ void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVar
   ap.head_dim = int(pr.head_dim);
   ap.smooth_q = r.smooth_q;
   ap.quantized_row_sum = r.row_sum == RowSum::quantized_p;
+  ap.lse2 = lse2;
   ap.work = sm90::work_schedule(ap, D, sm90::v_bytes(v.path));  // after every field it reads
   ap.kv = quantized_kv_at(ws, w, r);
   ap.q_stage = sm90::take_q_stage(ap, sm90::q_stage_capable(v.path, v.smooth_q, D), D);
@@ -319,7 +337,7 @@ enum class Step { quantize_kv, attention };
 // workspace's row size (quant::kv_layout_head_dim), the attention kernel on the tile of
 // kernel_head_dim (tile.h); both bound their reads of the caller's tensors by its head dim.
 void run_step(Step step, const AttentionArgs& args, const Problem& pr, const KernelVariant& v,
-              uint8_t* ws, cudaStream_t s) {
+              uint8_t* ws, cudaStream_t s, float* lse2 = nullptr) {
   const bool preq = args.recipe.inputs == Inputs::prequantized_int8;
   // quantize_kv of prequantized inputs never reads T; any instantiation serves.
   const DType t = preq ? (step == Step::attention ? args.out.dtype : DType::f16) : args.k.dtype;
@@ -333,8 +351,8 @@ void run_step(Step step, const AttentionArgs& args, const Problem& pr, const Ker
   }
 #define SAGE_DISPATCH_DIM(D)                                                               \
   if (step == Step::attention && d % 8 == 0 && kernel_head_dim(d) == D) {                  \
-    if (bf16) run_attention<D, __nv_bfloat16>(args, pr, v, ws, s);                         \
-    else run_attention<D, __half>(args, pr, v, ws, s);                                     \
+    if (bf16) run_attention<D, __nv_bfloat16>(args, pr, v, ws, s, lse2);                   \
+    else run_attention<D, __half>(args, pr, v, ws, s, lse2);                               \
     return;                                                                                \
   }
   SAGE_FOR_EACH_KV_LAYOUT_DIM(SAGE_DISPATCH_KV_DIM)
@@ -358,9 +376,12 @@ void check_variant_at_head_dim(const Recipe& r, const KernelVariant& v, int64_t 
   if (!sm90::variant_has_kernel(k, v.path))
     throw Error("recipe", "'" + r.name + "' (pv_format " + to_string(r.pv_format) +
                               ") has no sm_90 kernel at head_dim " + std::to_string(head_dim) +
-                              " (tile " + std::to_string(k) +
-                              "): 16-bit V does not fit shared memory there; use an 8-bit "
-                              "pv_format (e4m3 or int8), or the CPU simulator");
+                              " (tile " + std::to_string(k) + "): " +
+                              (v.path == sm90::PVPath::int8_dynamic
+                                   ? "SageBwd's kernels stop at head_dim 128"
+                                   : "16-bit V does not fit shared memory there; use an 8-bit "
+                                     "pv_format (e4m3 or int8)") +
+                              ", or the CPU simulator");
 }
 
 Checked check_gpu_call(const AttentionArgs& args) {
@@ -454,6 +475,23 @@ void attention(const AttentionArgs& args, void* workspace, size_t workspace_size
   run_step(Step::quantize_kv, args, c.problem, c.variant, ws, s);
   run_step(Step::attention, args, c.problem, c.variant, ws, s);
 }
+
+namespace detail {
+// The forward of a training call (api/backward_gpu.h): attention() that also writes the rows'
+// base-2 log-sums into lse2, returning where its quantized K/V lie in the workspace.
+quant::QuantizedKV attention_for_backward(const AttentionArgs& args, void* workspace,
+                                          size_t workspace_size, float* lse2, void* stream) {
+  const Checked c = check_gpu_call(args);
+  check_workspace(workspace, workspace_size, c.workspace);
+  auto* ws = static_cast<uint8_t*>(workspace);
+  auto* s = static_cast<cudaStream_t>(stream);
+  const quant::QuantizedKV kv = quantized_kv_at(ws, workspace_layout(c.problem, c.variant.path), args.recipe);
+  if (c.problem.batch == 0 || c.problem.heads_q == 0 || c.problem.n_q == 0) return kv;
+  run_step(Step::quantize_kv, args, c.problem, c.variant, ws, s);
+  run_step(Step::attention, args, c.problem, c.variant, ws, s, lse2);
+  return kv;
+}
+}  // namespace detail
 
 // Packed variable-length batches: no sm_90 kernel yet, so a named refusal (never a dense
 // call in disguise or a silent run on the CPU).

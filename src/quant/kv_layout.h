@@ -42,6 +42,10 @@ struct QuantizedKV {
   float* k_mean;     // [B, Hkv, D]  (zeros when K is not smoothed)
   float* v_scale;    // [B, Hkv, D]  max|V'_c| / v_max (1 for fp16 V)
   float* v_mean;     // [B, Hkv, D]  (zeros when V is not smoothed)
+  // VScale::per_block (SageBwd): [B, Hkv, n_pad / kKVTile], one V scale per K/V tile over all
+  // channels (v_scale then holds 1 for every channel); null otherwise.
+  float* v_block_scale;
+  float* v_block_inv;  // [B, Hkv, n_pad / kKVTile] the multipliers (quantize pass only)
   // Written by the statistics pass for the quantize pass only:
   float* v_inv;      // [B, Hkv, D]  v_max / max|V'_c| (the multiplier before encoding)
   float* k_amax;     // [B, Hkv]     max over channels of max|K'_c| (per-tensor K scales)
@@ -71,6 +75,7 @@ struct KVQuantParams {
   int k_mean_samples, stats_k_ctas;
   VFormat v_format;
   bool v_per_tensor;  // one V scale for all channels (INT-FlashAttention)
+  bool v_per_block;   // one V scale per K/V tile over all channels (SageBwd; int8 V only)
   float v_max;  // the format value max|V'_c| maps to (448 e4m3, 127 int8, or recipe.v_range)
   // Prequantized inputs (k and v are int8 codes): per-token K scales [B, Hkv, n_kv] and V
   // scales [B, Hkv] or [B, Hkv, D] (v_per_tensor says which); strides in elements.

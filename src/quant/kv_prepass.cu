@@ -14,6 +14,7 @@
 #include "built_kernels.h"
 #include "common/ptx.cuh"
 #include "common/cuda_check.h"
+#include "sm90/mma/fragment.cuh"
 
 namespace sage::quant {
 namespace {
@@ -250,9 +251,11 @@ __global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
       all_k = rules::max_nan(all_k, s_warp_amax[0][w]), all_v = rules::max_nan(all_v, s_warp_amax[1][w]);
     if (p.v_per_tensor) vamax = all_v;  // INT-FlashAttention: one scale over all channels
     // fp16 V is not scaled: the kernel's epilogue multiplies by 1.
-    const bool v_fp16 = p.v_format == VFormat::fp16;
-    p.out.v_scale[head * D + c] = v_fp16 ? 1.f : rules::symmetric_scale(vamax, p.v_max);
-    p.out.v_inv[head * D + c] = v_fp16 ? 1.f : rules::symmetric_inverse(vamax, p.v_max);
+    // Per-block V (SageBwd) is scaled per tile by the quantize pass (quantize_v_tile), so the
+    // epilogue's channel scale is 1 there too.
+    const bool v_unit = p.v_format == VFormat::fp16 || p.v_per_block;
+    p.out.v_scale[head * D + c] = v_unit ? 1.f : rules::symmetric_scale(vamax, p.v_max);
+    p.out.v_inv[head * D + c] = v_unit ? 1.f : rules::symmetric_inverse(vamax, p.v_max);
     if (c == 0) p.out.k_amax[head] = all_k;
   }
   sm90::cluster_wait_acquire();
@@ -565,6 +568,14 @@ __device__ __forceinline__ void quantize_v_tile(const KVQuantParams& p, int tile
     s_vinv[threadIdx.x] = p.out.v_inv[head * D + threadIdx.x];
   }
   __syncthreads();
+  if constexpr (F == VFormat::int8) {
+    // Per-block V (SageBwd): the tile's one multiplier (v_block_amax_kernel) for every channel.
+    if (p.v_per_block) {
+      __syncthreads();  // s_vinv's channel values are replaced
+      if (threadIdx.x < D) s_vinv[threadIdx.x] = p.out.v_block_inv[head * (p.n_pad / kKVTile) + tile];
+      __syncthreads();
+    }
+  }
 
   constexpr int pitch = (v_fp16 ? 2 : 1) * kVtPitch8;
 #pragma unroll
@@ -677,6 +688,40 @@ __global__ void __launch_bounds__(kThreads) kv_copy_prequantized_kernel(const KV
   store_vt_tile<D, 1>(p, b, h, tile, s_vt);
 }
 
+// SageBwd's per-block V (VScale::per_block, docs/numerics.md step 8): one CTA per K/V tile
+// takes the tile's largest |V'| over its tokens below n_kv and all channels, and writes the
+// tile's scale (read by the attention kernel) and multiplier (read by kv_quantize_kernel).
+// A pass of its own, between the statistics (V' needs V's mean) and the quantize pass: inside
+// kv_quantize_kernel the reduction made its other paths spill under their launch bounds.
+template <int D, class T>
+__global__ void __launch_bounds__(kThreads) v_block_amax_kernel(const KVQuantParams p) {
+  __shared__ float s_warp[kThreads / 32];
+  const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int64_t head = (int64_t)b * p.heads_kv + h;
+  const T* vb = static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h;
+  const float* vmean = p.out.v_mean + head * D;
+  float amax = 0.f;
+  for (int e = threadIdx.x; e < kKVTile * D / 8; e += kThreads) {
+    const int r = e / (D / 8), c0 = 8 * (e % (D / 8));
+    const int t = tile * kKVTile + r;
+    if (t >= p.n_kv) continue;
+    float x[8];
+    gpu::unpack8<T>(*reinterpret_cast<const uint4*>(vb + (int64_t)t * p.v_stride_n + c0), x);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) amax = rules::max_nan(amax, fabsf(__fsub_rn(x[j], vmean[c0 + j])));
+  }
+  amax = sm90::frag::warp_max_nan(amax);
+  if (threadIdx.x % 32 == 0) s_warp[threadIdx.x / 32] = amax;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float all = s_warp[0];
+    for (int w = 1; w < kThreads / 32; ++w) all = rules::max_nan(all, s_warp[w]);
+    const int64_t at = head * (p.n_pad / kKVTile) + tile;
+    p.out.v_block_scale[at] = rules::symmetric_scale(all, p.v_max);
+    p.out.v_block_inv[at] = rules::symmetric_inverse(all, p.v_max);
+  }
+}
+
 }  // namespace
 
 template <int D, class T>
@@ -697,6 +742,12 @@ void launch_kv_prepass(const KVQuantParams& p, cudaStream_t stream) {
     kv_stats_kernel<D, T, kStatsCtas><<<stats_grid, kThreads, 0, stream>>>(q);
   else
     kv_stats_kernel<D, T, kStatsCtas / 2><<<stats_grid, kThreads, 0, stream>>>(q);
+  if (p.v_per_block) {
+    // After the statistics (V's mean), before the quantize pass, in stream order.
+    v_block_amax_kernel<D, T><<<dim3(p.n_pad / kKVTile, p.heads_kv, p.batch), kThreads, 0, stream>>>(q);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) throw_cuda("V block amax launch", e);
+  }
   // Programmatic dependent launch: see launch_dependent_grids in kv_stats_kernel.
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(2 * (p.n_pad / kKVTile), p.heads_kv, p.batch);

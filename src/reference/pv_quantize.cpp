@@ -62,7 +62,9 @@ void quantize_v_per_block(const float* v, int64_t n, int64_t d, const Recipe& r,
   for (int64_t t0 = 0; t0 < n; t0 += block_kv) {
     const int64_t t1 = std::min(n, t0 + block_kv);
     float amax = 0.f;
-    for (int64_t i = t0 * d; i < t1 * d; ++i) amax = std::max(amax, std::fabs(v[i]));
+    // NaN-propagating, as every group maximum that sets a scale (docs/numerics.md, "Range
+    // limits and special inputs"): std::max dropped a NaN and left its tile's scale finite.
+    for (int64_t i = t0 * d; i < t1 * d; ++i) amax = rules::max_nan(amax, std::fabs(v[i]));
     op.block_scale[t0 / block_kv] = rules::symmetric_scale(amax, target);
     const float inv = rules::symmetric_inverse(amax, target);
     for (int64_t i = t0 * d; i < t1 * d; ++i) {

@@ -56,8 +56,11 @@ TEST_F(GpuArgs, RecipeWithoutKernelIsRefusedByName) {
   AttentionArgs a = make();
   a.recipe = preset("sage3_fp4");
   expect_error(a, "recipe", "'sage3_fp4' has no sm_90 kernel");
+  // sagebwd with the paper's quantized row sum has no kernel: the int8_dynamic path sums P~.
   a.recipe = preset("sagebwd");
-  expect_error(a, "recipe", "'sagebwd' has no sm_90 kernel (the GPU path needs P V as e4m3");
+  a.recipe.name = "sagebwd_qsum";
+  a.recipe.row_sum = RowSum::quantized_p;
+  expect_error(a, "recipe", "'sagebwd_qsum' has no sm_90 kernel (the GPU path needs row_sum float_p");
   // A custom combination outside the kernels' policies is refused too, naming what is missing.
   a.recipe = preset("sage2_8b");
   a.recipe.name = "e5m2_pv";
@@ -65,11 +68,10 @@ TEST_F(GpuArgs, RecipeWithoutKernelIsRefusedByName) {
   expect_error(a, "recipe", "'e5m2_pv' has no sm_90 kernel (the GPU path needs P V as e4m3");
 }
 
-// Every preset except SageAttention3's FP4 and SageBwd (whose per-token INT8 P and per-block V
-// have no forward kernel yet) has a kernel; the rule is the one attention() uses.
-TEST_F(GpuArgs, EveryPresetButFp4AndSagebwdHasAKernel) {
-  for (const Recipe& r : presets())
-    EXPECT_EQ(gpu_supports(r), r.name != "sage3_fp4" && r.name != "sagebwd") << r.name;
+// Every preset except SageAttention3's FP4 has a kernel (SageBwd's forward: the int8_dynamic
+// PV path); the rule is the one attention() uses.
+TEST_F(GpuArgs, EveryPresetButFp4HasAKernel) {
+  for (const Recipe& r : presets()) EXPECT_EQ(gpu_supports(r), r.name != "sage3_fp4") << r.name;
   Recipe r = preset("sage2_8b");
   r.qk_granularity = Granularity::per_tensor;  // Q per tensor would need a grid-wide pass
   EXPECT_FALSE(gpu_supports(r));

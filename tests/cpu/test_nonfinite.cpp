@@ -101,6 +101,20 @@ TEST(NonFinite, InfinityInAWholeQueryChannelIsNotZeros) {
   for (int64_t row : {int64_t(0), int64_t(150), 2 * kN - 1}) EXPECT_TRUE(row_all_nan(r.out, row));
 }
 
+// sagebwd's per-block V: a NaN in key j's V makes its K/V tile's scale NaN, so every channel of
+// every row that sees a key of that tile; under a causal mask the rows that see none of it stay
+// finite (they do not fold the tile in). std::max took the tile's maximum before and dropped the
+// NaN, leaving the output finite: absorbed, against the rule above.
+TEST(NonFinite, NaNInPerBlockVReachesTheRowsThatSeeItsTile) {
+  std::vector<float> q = normal(size_t(2 * kN * kD), 16), k = normal(size_t(kN * kD), 17),
+                     v = normal(size_t(kN * kD), 18);
+  v[size_t(200 * kD + 7)] = std::nanf("");  // key 200: the tile of keys 128..255
+  const SimRun r = simulate_f32("sagebwd", q, k, v, kN, true);
+  for (int64_t row : {int64_t(128), int64_t(200), int64_t(299), kN + 150}) EXPECT_TRUE(row_all_nan(r.out, row)) << row;
+  for (int64_t row : {int64_t(0), int64_t(127), kN + 100})
+    EXPECT_TRUE(std::isfinite(r.out[size_t(row * kD)])) << row;
+}
+
 // Finite inputs are unchanged by all this: rows that see no key stay 0 with LSE -inf.
 TEST(NonFinite, RowsWithoutKeysStayZero) {
   std::vector<float> q = normal(size_t(2 * kN * kD), 13), k = normal(size_t(kN * kD), 14),

@@ -32,9 +32,9 @@ std::string gpu_skip_reason() {
 }
 
 const std::vector<std::string>& cpu_only_presets() {
-  // SageAttention3's NVFP4 needs Blackwell's FP4 tensor cores; Hopper has none. SageBwd's
-  // forward (per-token INT8 P, per-block V) has no sm_90 kernel yet.
-  static const std::vector<std::string> names = {"sage3_fp4", "sagebwd"};
+  // SageAttention3's NVFP4 needs Blackwell's FP4 tensor cores; Hopper has none. (SageBwd's
+  // forward runs on the int8_dynamic PV path.)
+  static const std::vector<std::string> names = {"sage3_fp4"};
   return names;
 }
 

@@ -281,13 +281,16 @@ def test_no_host_synchronization_in_the_call_path():
     torch.cuda.synchronize()
 
 
-def test_forward_only_op_refuses_a_backward_pass():
+def test_recipes_without_a_backward_refuse_the_backward_pass_by_name():
+    # Only sagebwd trains (tests/python/test_training.py); any other recipe's forward runs on
+    # tensors that require grad, and a backward pass that reaches it raises naming `recipe`.
     q, k, v = _qkv(b=1, hq=2, hkv=2, nq=128, nkv=128, seed=12)
     q.requires_grad_(True)
     out = sagekit.sageattn(q, k, v)  # the forward runs
     torch.testing.assert_close(out, sagekit.sageattn(q.detach(), k, v), atol=0, rtol=0)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(sagekit.ArgumentError) as info:
         out.float().sum().backward()
+    assert info.value.argument == "recipe" and "use recipe='sagebwd'" in str(info.value)
 
 
 def test_eager_fast_path_only_where_plain_eager_dispatch_would_run_the_body():
@@ -303,7 +306,7 @@ def test_eager_fast_path_only_where_plain_eager_dispatch_would_run_the_body():
     for a, b in zip(fast, slow):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     q.requires_grad_(True)
-    assert not ops.plain_eager(args)  # the op must see it: it refuses the backward pass
+    assert not ops.plain_eager(args)  # the op must see it: only it records the autograd node
     with torch.no_grad():
         assert ops.plain_eager(args)
     q.requires_grad_(False)

@@ -3,6 +3,7 @@
 // They exist so that programs and bindings link against either build; a call explains why
 // it cannot run instead of failing at link time or silently computing on the CPU.
 #include "sage/attention.h"
+#include "sage/backward.h"
 #include "sage/error.h"
 #include "sage/varlen.h"
 #include "api/varlen_gpu.h"
@@ -32,6 +33,12 @@ void attention_from_quantized_kv(const AttentionArgs&, const void*, size_t, void
 void attention_varlen(const VarlenArgs&, void*, size_t, void*) { refuse_varlen_on_gpu(); }
 
 bool gpu_supports(const Recipe&) { return false; }
+
+size_t backward_workspace_bytes(const BackwardArgs&) { no_cuda(); }
+
+void attention_backward(const BackwardArgs&, void*, size_t, void*) { no_cuda(); }
+
+bool gpu_supports_backward(const Recipe&) { return false; }
 
 bool gpu_available() { return false; }
 

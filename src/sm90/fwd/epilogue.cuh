@@ -153,6 +153,17 @@ __device__ __forceinline__ void run_epilogue(const AttentionParams& p, typename 
       p.lse[seq.lse_offset(item.b, item.h) + (int64_t)item.rows[r] * p.lse_stride_n] = lse;
     }
   }
+  // Only SageBwd's forward is trained (api/backward.cu): the other kernels keep their code.
+  if constexpr (K::kPath == PVPath::int8_dynamic) {
+    if (p.lse2 != nullptr && item.t == 0) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (item.rows[r] >= seq.n_q(item.b)) continue;
+        const float l2 = l[r] <= 0.f ? -INFINITY : ml.softmax.m[r] + (log2f(l[r]) - log2f(p.p_max));
+        p.lse2[((int64_t)item.b * p.heads_q + item.h) * p.n_q + item.rows[r]] = l2;
+      }
+    }
+  }
 }
 
 }  // namespace sage::sm90

@@ -48,7 +48,8 @@ set(_all_variants
   fp16:per_token:0           # sage1_t
   fp16:per_tile:0            # sage1_b
   int8:per_token:0           # sage1_vt, int_flash, int_flash_q
-  int8:per_tile:0)           # sage1_vb
+  int8:per_tile:0            # sage1_vb
+  int8_dynamic:per_tile:0)   # sagebwd (forward)
 # A subset for quick experiment builds (gpu_run.sh knobs: sage2_8b only); a recipe whose
 # variant is left out is refused by name at run time.
 set(SAGE_KERNEL_VARIANTS "all" CACHE STRING
@@ -97,8 +98,8 @@ foreach(d ${SAGE_HEAD_DIMS})
       list(GET _triple 0 _path)
       list(GET _triple 1 _ks)
       list(GET _triple 2 _sq)
-      # kernel_traits.h variant_has_kernel: no fp16 PV above d = 128 (shared memory).
-      if(d GREATER 128 AND _path STREQUAL "fp16")
+      # kernel_traits.h variant_has_kernel: no fp16 or int8_dynamic PV above d = 128.
+      if(d GREATER 128 AND (_path STREQUAL "fp16" OR _path STREQUAL "int8_dynamic"))
         continue()
       endif()
       if(_sq)

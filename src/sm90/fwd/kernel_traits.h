@@ -36,6 +36,10 @@ enum class PVPath : int {
   e4m3_fp16x2,     // SageAttention2++: E4M3 P and V, f16 accumulator over two k32 MMAs
   fp16,            // SageAttention (T/B): fp16 P and V, f16 accumulator over a tile
   int8,            // SageAttention (vT/vB), INT-FlashAttention: INT8 P and V, s32 per tile
+  // SageBwd's forward: INT8 P with one scale per row and tile from the softmax's own maxima
+  // (PScale::per_token) and INT8 V with one scale per K/V tile (VScale::per_block); s32 per
+  // tile, both scales applied with one fma as the tile folds into O.
+  int8_dynamic,
 };
 
 // How the K scales are stored: a few groups per 128-token tile (per_thread / per_block /
@@ -45,7 +49,7 @@ enum class KScales : int { per_tile, per_token };
 // The V format the quantizer writes for a path (quant/kv_layout.h).
 constexpr quant::VFormat v_format(PVPath path) {
   return path == PVPath::fp16 ? quant::VFormat::fp16
-         : path == PVPath::int8 ? quant::VFormat::int8
+         : path == PVPath::int8 || path == PVPath::int8_dynamic ? quant::VFormat::int8
                                 : quant::VFormat::e4m3;
 }
 // Bytes per element of the transposed V tile each path streams.
@@ -68,11 +72,12 @@ constexpr bool q_stage_capable(PVPath path, bool smooth_q, int head_dim) {
   return path == PVPath::e4m3_two_level && !smooth_q && head_dim <= 128;
 }
 
-// Whether a PV path has a kernel at a head dim: fp16 V at d = 256 takes 64 KiB per stage, and
-// two stages, the K tiles and the Q tile exceed the 227 KiB of shared memory (instantiate.cmake
-// skips it; the dispatch refuses its recipes by name there).
+// Whether a PV path has a kernel at a head dim (instantiate.cmake skips the others; the dispatch
+// refuses their recipes by name): fp16 V at d = 256 takes 64 KiB per stage, and two stages, the
+// K tiles and the Q tile exceed the 227 KiB of shared memory; SageBwd's int8_dynamic path has
+// no split PV MMA (pv_operand.cuh) and its backward exists at d = 64 and 128 only.
 constexpr bool variant_has_kernel(int head_dim, PVPath path) {
-  return !(head_dim > 128 && path == PVPath::fp16);
+  return !(head_dim > 128 && (path == PVPath::fp16 || path == PVPath::int8_dynamic));
 }
 
 // A kernel variant: what a recipe maps onto (api/dispatch.cu) and what is instantiated.
@@ -120,9 +125,12 @@ constexpr KernelTraits kernel_traits(int head_dim, Variant v) {
   t.consumer_regs = (t.launch_regs * t.threads - t.producer_regs * 128) / (128 * t.consumers) / 8 * 8;
   // The software pipeline, except where ptxas (CUDA 13.0) spilled it heavily: at d = 128
   // INT8 and f16-pair PV; at d = 64 Q smoothing and per-token K scales (docs/design.md).
-  t.overlap_pv = head_dim > 128  ? false  // the split PV MMA (pv_operand.cuh)
-                 : head_dim <= 64 ? v.k_scales == KScales::per_tile && !v.smooth_q
-                                  : v.path == PVPath::e4m3_two_level || v.path == PVPath::fp16;
+  // int8_dynamic (SageBwd) runs one tile at a time: its per-tile P and V scales would be one
+  // more pending pair in the pipeline, not written yet (correctness first).
+  t.overlap_pv = v.path == PVPath::int8_dynamic ? false
+                 : head_dim > 128              ? false  // the split PV MMA (pv_operand.cuh)
+                 : head_dim <= 64              ? v.k_scales == KScales::per_tile && !v.smooth_q
+                                               : v.path == PVPath::e4m3_two_level || v.path == PVPath::fp16;
   t.v_ones_rows = v_ones_rows(head_dim, v.path);
   t.v_bytes = v_bytes(v.path);
   t.qk_row_bytes = quant::kv_layout_head_dim(head_dim);

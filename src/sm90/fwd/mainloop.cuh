@@ -42,6 +42,13 @@ struct Mainloop {
   typename PV::Fragments pa;      // P of the tile whose PV MMA runs next
   typename PV::Accumulator pv_acc;  // that PV MMA's product
   float alpha_pending[2];         // the output rescale that goes with that product
+  // int8_dynamic (SageBwd): the V scale of the tile being computed and, per row, the factor
+  // s_P * s_V its product folds in with (one tile at a time: no pending pair).
+  static constexpr bool kDynamicP = K::kPath == PVPath::int8_dynamic;
+  static_assert(!(kDynamicP && K::kOverlapPV), "int8_dynamic runs one tile at a time");
+  static_assert(!kDynamicP || K::kIntegerMax, "the P peak comes from the integer row max");
+  float v_tile_scale = 1.f;
+  float pv_factor[2] = {0.f, 0.f};
 
   // What one item's tiles read.
   const AttentionParams& p;
@@ -121,7 +128,10 @@ struct Mainloop {
 
   // The product of the tile whose PV MMA was waited for, into O (and l).
   __device__ __forceinline__ void fold_pv(const float (&alpha)[2]) {
-    PV::fold(o, pv_acc, pa, alpha);
+    if constexpr (kDynamicP)
+      PV::fold(o, pv_acc, pa, alpha, pv_factor);
+    else
+      PV::fold(o, pv_acc, pa, alpha);
     if constexpr (K::kRowSumInMma) PV::fold_row_sum(softmax.l, pv_acc, alpha);
   }
 
@@ -148,8 +158,10 @@ struct Mainloop {
       const float mult = rules::score_multiplier(q_scale[0], ks_tile, p.sm_scale_log2);
       const bool masked = mask.template tile_needs_mask<K::kLeftWindow>(it, item->wg_row0);
       if (masked) mask.template apply<K::kLeftWindow>(it, item->rows, item->t, sacc);
-      softmax.template update_from_int<K::kPScaleMode, !K::kRowSumInMma>(
+      softmax.template update_from_int<K::kPScaleMode, !K::kRowSumInMma, kDynamicP>(
           sacc, mult, masked, p.p_max, p.p_fold_k, p.p_fold_mult_limit, sc, alpha, p_sum);
+      if constexpr (kDynamicP)
+        v_tile_scale = p.kv.v_block_scale[item->kv_head * (p.n_pad / kBlockKV) + it];
     } else {
       make_scores(it, sc);
       softmax.template update<!K::kRowSumInMma>(sc, p.p_max, alpha, p_sum);
@@ -160,7 +172,24 @@ struct Mainloop {
   __device__ __forceinline__ void pack_p(const float (&sc)[kAcc], const float (&alpha)[2],
                                          const float (&p_sum)[2]) {
     int32_t code_sum[2] = {0, 0};
-    PV::pack(sc, pa, code_sum);
+    if constexpr (kDynamicP) {
+      // s_P = peak / 127 per row and tile (docs/numerics.md step 7), then s_P * s_V (step 9).
+      float inv[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        // peak < 0: the row sees no key of the tile and adds nothing (the simulator does not
+        // visit the tile for it): inverse and factor 0, not 0 times the tile's V scale, which
+        // is NaN where V holds a non-finite value. (symmetric_inverse gives 0 for peak <= 0.)
+        const float peak = softmax.peak[r];
+        inv[r] = rules::symmetric_inverse(peak, float(rules::kInt8Max));
+        pv_factor[r] = peak < 0.f ? 0.f
+                                  : __fmul_rn(rules::symmetric_scale(peak, float(rules::kInt8Max)),
+                                              v_tile_scale);
+      }
+      PV::pack(sc, pa, code_sum, inv);
+    } else {
+      PV::pack(sc, pa, code_sum);
+    }
     if constexpr (!K::kRowSumInMma) {  // else fold_pv adds the MMA's row sum
       if (K::kPath == PVPath::int8 && p.quantized_row_sum) {
         // INT-FlashAttention: the denominator sums the quantized P (the codes, which are in

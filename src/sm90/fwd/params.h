@@ -65,6 +65,10 @@ struct AttentionParams {
   // The caller's head dim: a multiple of 8, at most the kernel's D (tile.h, kernel_head_dim).
   // Q loads and output stores stop there; the workspace's channels past it are zeros.
   int head_dim;
+  // Optional (training, SageBwd): L2 = m + log2(l / p_max) per row, the row's log-sum in the
+  // base-2 domain of the smoothed, quantized scores (docs/numerics.md, "What the forward
+  // saves"), dense [B, Hq, n_q]; -inf for a row without keys. Last, so no field moves.
+  float* lse2;
 };
 
 }  // namespace sage::sm90

@@ -286,4 +286,55 @@ struct PVOperand<D, PVPath::int8> {
   }
 };
 
+// P~ * inv (inv: the row's 127 / peak) to INT8 codes: round to nearest even, clamped to 127,
+// which acts where the integer row max forms a P~ a rounding above the peak
+// (rules::round_clamp on values >= 0: min(rint(x), 127) = rint(min(x, 127))).
+struct Int8ClampPair {
+  __device__ __forceinline__ uint32_t operator()(float lo, float hi, int32_t& sum) const {
+    const uint32_t a = round_to_low_bits(fminf(lo, 127.f)) & 0xFFu;
+    const uint32_t b = round_to_low_bits(fminf(hi, 127.f)) & 0xFFu;
+    sum += int32_t(a + b);
+    return a | (b << 8);
+  }
+};
+
+// SageBwd's forward (docs/numerics.md steps 7-9): INT8 P with one scale per row and tile,
+// s_P = peak / 127 from the softmax's maxima (pack takes 127 / peak per row), INT8 V with one
+// scale per K/V tile; the exact s32 tile product enters O as
+// O = fmaf(float(acc), s_P * s_V, O * alpha) (fold takes s_P * s_V per row).
+template <int D>
+struct PVOperand<D, PVPath::int8_dynamic> {
+  static_assert(D <= 128, "no split PV MMA on this path (kernel_traits.h, variant_has_kernel)");
+  static constexpr int kVBytes = 1;
+  static constexpr int kOnesRows = 0;
+  static constexpr int kSplits = 1;
+  struct Fragments { uint32_t a[kBlockKV / 32][4]; };
+  struct Accumulator { int32_t c[D / 2]; };
+  __device__ __forceinline__ static void pack(const float (&p)[kBlockKV / 2], Fragments& f,
+                                              int32_t (&code_sum)[2], const float (&inv)[2]) {
+    float x[kBlockKV / 2];
+#pragma unroll
+    for (int i = 0; i < kBlockKV / 2; ++i) x[i] = __fmul_rn(p[i], inv[frag::acc_row(i)]);
+    pack_p_8bit<kBlockKV>(x, f.a, code_sum, Int8ClampPair{});
+  }
+  __device__ __forceinline__ static void issue(Accumulator& acc, Fragments& f, uint32_t v_desc) {
+    wgmma_fence();
+    mma_s8_rs<D, false>(acc.c, f.a[0], v8_slice(v_desc, 0));
+#pragma unroll
+    for (int kc = 1; kc < kBlockKV / 32; ++kc)
+      mma_s8_rs<D, true>(acc.c, f.a[kc], v8_slice(v_desc, kc));
+    wgmma_commit();
+  }
+  __device__ __forceinline__ static void fold(float (&o)[D / 2], Accumulator& acc, Fragments& f,
+                                              const float (&alpha)[2], const float (&factor)[2]) {
+    reg_fence(acc.c);
+    reg_fence(f.a);
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) {
+      const int r = frag::acc_row(i);
+      o[i] = __fmaf_rn(float(acc.c[i]), factor[r], __fmul_rn(o[i], alpha[r]));
+    }
+  }
+};
+
 }  // namespace sage::sm90

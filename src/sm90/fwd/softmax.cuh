@@ -106,7 +106,10 @@ struct OnlineSoftmax {
   //             before the exps: with the exps inside the branches ptxas issued the 64 MUFUs
   //             in one burst (v25a, docs/history/README.md). The folding warp's two loops
   //             repeat multiply and add's: shared, they changed ptxas's d = 128 schedule.
-  template <PScaleMode kMode, bool kSum = true>
+  // kPeak: also the row's peak P~ of the tile into `peak` (the PV path int8_dynamic), or -1
+  // where the row sees no key of the tile (the simulator does not visit the tile for it).
+  float peak[2] = {0.f, 0.f};
+  template <PScaleMode kMode, bool kSum = true, bool kPeak = false>
   __device__ __forceinline__ void update_from_int(const int32_t (&acc)[kAcc], float mult,
                                                   bool masked_tile, float p_max, float fold_k,
                                                   float fold_mult_limit, float (&p)[kAcc],
@@ -133,10 +136,14 @@ struct OnlineSoftmax {
       const int32_t amax = max(max(part[r][0], part[r][1]), max(part[r][2], part[r][3]));
       // A thread whose columns of this row are all masked: tmax = c = -inf, so x = -inf.
       const float tmax = amax == INT32_MIN ? -INFINITY : __fmul_rn(__int2float_rn(amax), mult);
-      const float m_new = fmaxf(m[r], frag::quad_max(tmax));
+      const float row_tmax = frag::quad_max(tmax);
+      const float m_new = fmaxf(m[r], row_tmax);
       const float base = m_new == -INFINITY ? 0.f : m_new;  // as in update
       alpha[r] = fast_exp2(m[r] - base);
       m[r] = m_new;
+      // SageBwd's per-token P (docs/numerics.md step 7): the tile's largest P~ of the row,
+      // 2^(tile max - m_new), from the maxima themselves (0 for a row with nothing visible).
+      if constexpr (kPeak) peak[r] = row_tmax == -INFINITY ? -1.f : fast_exp2(__fsub_rn(row_tmax, base));
       c[r] = __fsub_rn(__fsub_rn(tmax, base), __fmul_rn(mult, 16777216.f));  // 2^24 mult: exact
       if (kFold) c[r] = __fadd_rn(c[r], k_in_offset);
       // The bits of float(n) for an integer n in [2^23, 2^24] are n + 0x4A800000.

@@ -1,0 +1,18 @@
+// What the GPU backward (api/backward.cu) takes from the forward's dispatch (api/dispatch.cu):
+// the forward of a training call, which also writes the rows' base-2 log-sums, and where its
+// quantized K/V lie in the workspace.
+#pragma once
+
+#include <cstddef>
+
+#include "quant/kv_layout.h"
+#include "sage/attention.h"
+
+namespace sage::detail {
+
+// attention(args, workspace, ...) that also writes L2 = m + log2(l / p_max) per row into lse2
+// (dense [batch, heads_q, n_q] floats, device memory); returns the workspace's quantized K/V.
+quant::QuantizedKV attention_for_backward(const AttentionArgs& args, void* workspace,
+                                          size_t workspace_size, float* lse2, void* stream);
+
+}  // namespace sage::detail

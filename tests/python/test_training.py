@@ -1,0 +1,464 @@
+"""Training through sagekit: loss.backward() with recipe="sagebwd" (torch.ops.sagekit.attention's
+registered autograd formula, which calls torch.ops.sagekit.attention_backward, the C++
+attention_backward).
+
+The binding and argument tests run anywhere (NumPy, or torch on the CPU); the autograd
+wiring is traced on meta tensors (no device: the ops' fake implementations), so any machine
+with torch checks that a training step records the right nodes, shapes and dtypes and traces
+as one graph each way under torch.compile. Everything that computes gradients needs a GPU of
+compute capability 9.0 and skips visibly elsewhere (needs_gpu).
+"""
+
+import pytest
+
+import sagekit
+from conftest import (HAS_TORCH, check_argument_error, cosine, needs_gpu, needs_numpy,
+                      needs_torch, random_qkv)
+
+if HAS_TORCH:
+    import torch
+    import torch.nn.functional as F
+
+
+# ---- the bindings (NumPy only; any build) ---------------------------------------------------
+
+@needs_numpy
+def test_binding_backward_entry_points():
+    import numpy as np
+
+    C = sagekit._C
+    q, k, v = random_qkv((1, 4, 64, 64), (1, 2, 64, 64))
+    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    args = (q, k, v, q, dq, dk, dv)
+    check_argument_error("layout", C.attention_backward, *args, layout="HDN")
+    check_argument_error("recipe", C.attention_backward, *args, recipe="sage4")
+    check_argument_error("recipe.pv_accum", C.attention_backward, *args,
+                         recipe="sagebwd,pv_accum=fp64")
+    with pytest.raises(TypeError):  # the options are keyword-only
+        C.attention_backward(*args, None, None, "HND")
+    if sagekit.cuda_built:
+        # Host arrays reach the library's checks, which want device memory.
+        check_argument_error("q", C.backward_workspace_bytes, *args)
+        check_argument_error("q", C.attention_backward, *args)
+    else:
+        check_argument_error("device", C.backward_workspace_bytes, *args)
+        check_argument_error("device", C.attention_backward, *args)
+    assert C.has_backward("sagebwd") and C.has_backward("sagebwd,dp_format=int8")
+    assert not C.has_backward("sage2_8b") and not C.has_backward("int_flash")
+    assert C.gpu_supports_backward("sagebwd") is sagekit.cuda_built
+    assert sagekit.gpu_supports_backward("sagebwd") is sagekit.cuda_built
+    assert C.gpu_supports_backward("sage2_8b") is False                # no backward at all
+    assert C.gpu_supports_backward("sagebwd,dp_format=int8") is False  # simulator only
+
+
+# ---- what the backward refuses, before any GPU work (torch on the CPU) ----------------------
+
+@needs_torch
+@pytest.mark.parametrize("recipe,argument", [
+    ("sage2_8b", "recipe"), ("auto", "recipe"), ("int_flash", "recipe"),
+    ("sage2_8b_balanced", "recipe"), ("sagebwd,pv_accum=fp64", "recipe.pv_accum")])
+def test_backward_refuses_recipes_without_one_by_name(recipe, argument):
+    from sagekit import ops
+
+    q = torch.randn(1, 2, 64, 64, dtype=torch.float16)
+    message = check_argument_error(argument, ops._attention_backward_body, q, q, q, q, "HND",
+                                   False, -1, -1, None, recipe)
+    if argument == "recipe":
+        assert "has no backward; use recipe='sagebwd'" in message
+
+
+@needs_torch
+def test_backward_refuses_a_sliding_window_by_name():
+    from sagekit import ops
+
+    q = torch.randn(1, 2, 64, 64, dtype=torch.float16)
+    for window in ((8, 0), (-1, 8), (8, 8), (0, -1)):
+        check_argument_error("window_size", ops._attention_backward_body, q, q, q, q, "HND",
+                             True, window[0], window[1], None, "sagebwd")
+    # No window, and (-1, 0), which is the causal mask, are what the backward computes.
+    assert ops.check_backward_options(-1, -1, False, "sagebwd") is False
+    assert ops.check_backward_options(-1, -1, True, "sagebwd") is True
+    assert ops.check_backward_options(-1, 0, False, "sagebwd") is True
+
+
+@needs_torch
+def test_backward_follows_torch_deterministic_algorithms():
+    # fp32 atomics: not bit-deterministic, so torch's switch refuses it (or warns).
+    from sagekit import ops
+
+    q = torch.randn(1, 2, 64, 64, dtype=torch.float16)
+    args = (q, q, q, q, "HND", False, -1, -1, None, "sagebwd")
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        torch.use_deterministic_algorithms(True)
+        with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
+            ops._attention_backward_body(*args)
+        if not sagekit.cuda_built:  # past the warning, a CPU build says it has no kernels
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            with pytest.warns(UserWarning, match="deterministic"):
+                with pytest.raises(RuntimeError, match="no GPU kernels"):
+                    ops._attention_backward_body(*args)
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+# ---- the autograd wiring, traced on meta tensors (torch; no GPU) ----------------------------
+
+def _meta(shape, dtype=None, requires_grad=True):
+    return torch.empty(shape, device="meta", dtype=dtype or torch.bfloat16,
+                       requires_grad=requires_grad)
+
+
+def _op(q, k, v, layout="HND", causal=True, recipe="sagebwd", return_lse=False, q_scale=None,
+        k_scale=None, v_scale=None):
+    return torch.ops.sagekit.attention(q, k, v, layout, causal, -1, -1, None, recipe, return_lse,
+                                       q_scale, k_scale, v_scale, None)
+
+
+@needs_torch
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_autograd_records_the_backward_with_the_inputs_shapes(layout):
+    b, hq, hkv, nq, nkv, d = 2, 8, 2, 100, 300, 64
+
+    def shape(h, n):
+        return (b, h, n, d) if layout == "HND" else (b, n, h, d)
+
+    q, k, v = _meta(shape(hq, nq)), _meta(shape(hkv, nkv)), _meta(shape(hkv, nkv))
+    out, lse = _op(q, k, v, layout=layout, return_lse=True)
+    assert out.requires_grad and out.grad_fn is not None
+    # The LSE is not differentiable (as torch's flash/efficient SDPA ops' logsumexp).
+    assert not lse.requires_grad
+    (out.float() * 2).sum().backward()
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
+
+
+@needs_torch
+def test_autograd_gives_gradients_only_where_asked_and_through_views():
+    # q, k, v as views of one fused projection (a strided, non-contiguous layout): the
+    # gradient reaches the fused tensor with its shape.
+    qkv = _meta((2, 128, 3, 4, 64))
+    q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+    out, _ = _op(q, k, v)
+    out.sum().backward()
+    assert qkv.grad.shape == qkv.shape
+    q, k, v = _meta((1, 4, 64, 64)), _meta((1, 4, 64, 64), requires_grad=False), \
+        _meta((1, 4, 64, 64), requires_grad=False)
+    out, _ = _op(q, k, v)
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad is None and v.grad is None
+
+
+@needs_torch
+def test_prequantized_scales_are_not_differentiable():
+    q = torch.empty(1, 2, 64, 64, device="meta", dtype=torch.int8)
+    scale = _meta((1, 2, 1), dtype=torch.float32)
+    out, _ = _op(q, q, q, recipe="int_flash", causal=False, q_scale=scale,
+                 k_scale=scale.detach(), v_scale=scale.detach())
+    check_argument_error("q_scale", out.float().sum().backward)
+
+
+@needs_torch
+def test_training_step_traces_as_one_graph_each_way():
+    # torch.compile(fullgraph=True) through the front end's op call: AOTAutograd traces the
+    # registered formula, so the forward graph has sagekit.attention and the backward graph
+    # sagekit.attention_backward, and no break.
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from sagekit import ops
+
+    torch._dynamo.reset()
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, example_inputs):
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    def step(q, k, v, w):
+        y, _ = ops.call_attention(q, k, v, "NHD", True, -1, -1, None, "sagebwd", False, None,
+                                  None, None, None)
+        return (y.float() * w).sum()
+
+    q, k, v = _meta((1, 128, 4, 64)), _meta((1, 128, 2, 64)), _meta((1, 128, 2, 64))
+    w = torch.empty(1, 128, 4, 64, device="meta")
+    backend = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+    loss = torch.compile(step, backend=backend, fullgraph=True)(q, k, v, w)
+    loss.backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+    def targets(name):
+        return [str(n.target).removesuffix(".default") for n in graphs[name].graph.nodes
+                if n.op == "call_function"]
+
+    assert targets("forward").count("sagekit.attention") == 1, targets("forward")
+    assert targets("backward").count("sagekit.attention_backward") == 1, targets("backward")
+    torch._dynamo.reset()
+
+
+# ---- on the GPU ----------------------------------------------------------------------------
+
+def _qkv(b=1, hq=4, hkv=4, nq=256, nkv=256, d=64, dtype=None, seed=0, layout="HND"):
+    dtype = dtype or torch.float16
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def make(h, n, offset=0.0):
+        shape = (b, h, n, d) if layout == "HND" else (b, n, h, d)
+        t = (torch.randn(shape, generator=g, device="cuda") + offset).to(dtype)
+        return t.requires_grad_(True)
+
+    return make(hq, nq), make(hkv, nkv, offset=1.0), make(hkv, nkv)
+
+
+def _cpu(t):
+    return t.detach().cpu()
+
+
+def _grads(*ts):
+    return tuple(t.grad for t in ts)
+
+
+def _check_against_references(grads, q, k, v, do, causal, layout):
+    """The GPU gradients against the simulator (cosine >= 0.99999, the C++ GPU tests' bound)
+    and float64 (no worse than the recipe's own error on these inputs, plus the kernel's
+    allowance, and the recipe's usual bars)."""
+    args = (_cpu(q), _cpu(k), _cpu(v), _cpu(do))
+    sim = sagekit.simulate_backward(*args, recipe="sagebwd", is_causal=causal, layout=layout)
+    exact = sagekit.exact_backward(*args, is_causal=causal, layout=layout)
+    for name, g, s, e, bar in zip(("dq", "dk", "dv"), grads, sim, exact, (0.995, 0.995, 0.999)):
+        assert g.dtype == q.dtype and g.shape == s.shape, name
+        g = g.float().cpu()
+        assert torch.isfinite(g).all(), name
+        # The kernel stores each gradient once in the inputs' dtype; so does this reference.
+        s = s.to(q.dtype).float()
+        assert cosine(g, s) >= 0.99999, f"{name} against the simulator: {cosine(g, s)}"
+        recipe_err = 1 - cosine(s, e)
+        assert 1 - cosine(g, e) <= 1.02 * recipe_err + 1e-5, f"{name} against float64"
+        assert cosine(g, e) > bar, f"{name} against float64: {cosine(g, e)}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_sagebwd_gradients_match_the_simulator_and_float64(dtype, causal, heads, layout):
+    dtype = getattr(torch, dtype)
+    for d in (64, 128):
+        if d not in sagekit.gpu_head_dims():
+            continue
+        q, k, v = _qkv(hq=heads[0], hkv=heads[1], nq=200, nkv=320, d=d, dtype=dtype, layout=layout,
+                       seed=d)
+        do = torch.randn_like(q)
+        out = sagekit.sageattn(q, k, v, is_causal=causal, layout=layout, recipe="sagebwd")
+        out.backward(do)
+        _check_against_references(_grads(q, k, v), q, k, v, do, causal, layout)
+
+
+@needs_gpu
+def test_gradients_of_strided_views_and_any_output_gradient():
+    # q, k, v as views of one fused projection, [B, N, 3, H, D] -> three [B, H, N, D] views
+    # (bench/training_parity.py's attention): the same gradients as contiguous copies.
+    g = torch.Generator(device="cuda").manual_seed(3)
+    qkv = torch.randn(2, 256, 3, 4, 64, generator=g, device="cuda", dtype=torch.bfloat16)
+    fused = qkv.clone().requires_grad_(True)
+    q, k, v = (t.transpose(1, 2) for t in fused.unbind(2))
+    assert not q.is_contiguous()
+    sagekit.sageattn(q, k, v, is_causal=True, recipe="sagebwd").float().sum().backward()
+    assert fused.grad.shape == fused.shape
+    dense = [t.transpose(1, 2).contiguous().requires_grad_(True) for t in qkv.unbind(2)]
+    # out.sum()'s gradient is an expanded scalar (stride 0): the op copies it densely.
+    sagekit.sageattn(*dense, is_causal=True, recipe="sagebwd").sum().backward()
+    for i, t in enumerate(dense):
+        got = fused.grad[:, :, i].transpose(1, 2)
+        assert cosine(got.float().cpu(), t.grad.float().cpu()) >= 0.99999
+        torch.testing.assert_close(got, t.grad, atol=2e-2, rtol=2e-2)
+    # A transposed (non-contiguous) output gradient is read in place.
+    q, k, v = _qkv(nq=128, nkv=128, seed=4)
+    do = torch.randn(1, 128, 4, 64, device="cuda", dtype=torch.float16).transpose(1, 2)
+    sagekit.sageattn(q, k, v, recipe="sagebwd").backward(do)
+    _check_against_references(_grads(q, k, v), q, k, v, do.contiguous(), False, "HND")
+
+
+@needs_gpu
+def test_lse_is_returned_without_a_gradient():
+    q, k, v = _qkv(nq=128, nkv=128, seed=5)
+    out, lse = sagekit.sageattn(q, k, v, recipe="sagebwd", return_lse=True)
+    assert out.requires_grad and not lse.requires_grad
+    (out.float().sum() + lse.sum()).backward()  # the LSE's term adds nothing
+    first = _grads(q, k, v)
+    for t in (q, k, v):
+        t.grad = None
+    sagekit.sageattn(q, k, v, recipe="sagebwd").float().sum().backward()
+    for a, b in zip(first, _grads(q, k, v)):
+        assert cosine(a.float().cpu(), b.float().cpu()) >= 0.99999
+
+
+@needs_gpu
+def test_other_recipes_raise_by_name_in_backward():
+    q, k, v = _qkv(nq=128, nkv=128, seed=6)
+    for recipe in ["auto"] + [r for r in ("sage2_8b", "sage2pp_8b") if sagekit.gpu_supports(r)]:
+        out = sagekit.sageattn(q, k, v, recipe=recipe)  # the forward runs
+        message = check_argument_error("recipe", out.float().sum().backward)
+        assert "use recipe='sagebwd'" in message
+    # A recipe with a backward that the sm_90 kernel does not implement: the library names it.
+    out = sagekit.sageattn(q, k, v, recipe="sagebwd,dp_format=int8")
+    check_argument_error("recipe", out.float().sum().backward)
+    out = sagekit.sageattn(q, k, v, is_causal=True, window_size=(32, 0), recipe="sagebwd")
+    check_argument_error("window_size", out.float().sum().backward)
+    with torch.no_grad():  # inference with any recipe is untouched
+        sagekit.sageattn(q, k, v, recipe="sage2_8b")
+
+
+@needs_gpu
+def test_sdpa_drop_in_and_patch_sdpa_train():
+    q, k, v = _qkv(hq=8, hkv=2, nq=256, nkv=256, seed=7, dtype=torch.bfloat16)
+    do = torch.randn_like(q)
+    out = sagekit.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                               recipe="sagebwd")
+    out.backward(do)
+    _check_against_references(_grads(q, k, v), q, k, v, do, True, "HND")
+    # 3-D inputs [N, L, E] and a patched F.scaled_dot_product_attention.
+    x = torch.randn(3, 256, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    with sagekit.patch_sdpa(recipe="sagebwd") as stats:
+        y = F.scaled_dot_product_attention(x, x * 0.5, x, is_causal=True)
+    y.float().pow(2).sum().backward()
+    assert stats.calls == 1 and x.grad.shape == x.shape and torch.isfinite(x.grad).all()
+    ref = x.detach().float().requires_grad_(True)
+    F.scaled_dot_product_attention(ref, ref * 0.5, ref, is_causal=True).pow(2).sum().backward()
+    assert cosine(x.grad.float().cpu(), ref.grad.cpu()) > 0.99
+
+
+class _Attention(torch.nn.Module if HAS_TORCH else object):
+    def __init__(self, dim=256, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).unbind(2)
+        y = sagekit.sageattn(q, k, v, is_causal=True, layout="NHD", recipe="sagebwd")
+        return self.proj(y.reshape(b, n, c))
+
+
+@needs_gpu
+def test_bf16_autocast_training_step():
+    # bench/training_parity.py's pattern: the forward under bf16 autocast (q, k, v arrive in
+    # bf16 from the projection), loss.backward() outside it.
+    torch.manual_seed(0)
+    model = _Attention().cuda()
+    x = torch.randn(2, 256, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(x).float().pow(2).mean()
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    reference = _Attention().cuda()
+    reference.load_state_dict(model.state_dict())
+    b, n, c = x.shape
+
+    def sdpa_forward(x):
+        q, k, v = reference.qkv(x).view(b, n, 3, 4, c // 4).unbind(2)
+        y = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+        return reference.proj(y.transpose(1, 2).reshape(b, n, c))
+
+    sdpa_forward(x).pow(2).mean().backward()
+    for g, p in zip(grads, reference.parameters()):  # bf16 autocast and 8-bit attention
+        assert cosine(g.cpu(), p.grad.cpu()) > 0.98
+
+
+@needs_gpu
+def test_torch_compile_fullgraph_training_step():
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    model = _Attention().cuda().to(torch.bfloat16)
+    x = torch.randn(2, 256, 256, device="cuda", dtype=torch.bfloat16)
+
+    def step(model, x):
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        return loss
+
+    eager_loss = step(model, x)
+    eager = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+
+    def loss_of(x):
+        return model(x).float().pow(2).mean()
+
+    compiled = torch.compile(loss_of, fullgraph=True)  # raises on any graph break
+    loss = compiled(x)
+    loss.backward()
+    torch.testing.assert_close(loss, eager_loss, atol=1e-3, rtol=1e-3)
+    for g, e in zip((p.grad for p in model.parameters()), eager):
+        assert cosine(g.float().cpu(), e.float().cpu()) >= 0.9999
+    explanation = torch._dynamo.explain(loss_of)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+
+
+@needs_gpu
+def test_cuda_graph_capture_of_forward_and_backward():
+    q, k, v = _qkv(hq=4, hkv=2, nq=256, nkv=256, seed=8)
+    do = torch.randn_like(q)
+
+    def step():
+        out = sagekit.sageattn(q, k, v, is_causal=True, recipe="sagebwd")
+        out.backward(do)
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture, as torch recommends
+        for _ in range(2):
+            step()
+            for t in (q, k, v):
+                t.grad = None
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    static = _grads(q, k, v)
+    for seed in (9, 10):
+        fresh = _qkv(hq=4, hkv=2, nq=256, nkv=256, seed=seed)
+        with torch.no_grad():
+            for t, f in zip((q, k, v), fresh):
+                t.copy_(f)
+            do.copy_(torch.randn_like(do))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_out = sagekit.sageattn(*fresh, is_causal=True, recipe="sagebwd")
+        eager_out.backward(do)
+        torch.testing.assert_close(out, eager_out, atol=0, rtol=0)  # the forward is deterministic
+        for got, want in zip(static, _grads(*fresh)):
+            assert cosine(got.float().cpu(), want.float().cpu()) >= 0.99999
+
+
+@needs_gpu
+def test_no_host_synchronization_in_forward_and_backward():
+    q, k, v = _qkv(nq=256, nkv=256, seed=11)
+    do = torch.randn_like(q)
+    sagekit.sageattn(q, k, v, recipe="sagebwd").backward(do)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing CUDA call raises
+    try:
+        for _ in range(3):
+            sagekit.sageattn(q, k, v, is_causal=True, recipe="sagebwd").backward(do)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+@needs_gpu
+def test_backward_fake_matches_the_real_op():
+    q, k, v = _qkv(hq=8, hkv=2, nq=200, nkv=300, seed=12, layout="NHD")
+    args = (q.detach(), k.detach(), v.detach(), torch.randn_like(q), "NHD", True, -1, -1, None,
+            "sagebwd")
+    torch.library.opcheck(torch.ops.sagekit.attention_backward.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
