@@ -704,7 +704,9 @@ __global__ void __launch_bounds__(kThreads) v_block_amax_kernel(const KVQuantPar
   for (int e = threadIdx.x; e < kKVTile * D / 8; e += kThreads) {
     const int r = e / (D / 8), c0 = 8 * (e % (D / 8));
     const int t = tile * kKVTile + r;
-    if (t >= p.n_kv) continue;
+    // The caller's channels only: past head_dim the workspace's channels are zeros (the
+    // padded head dims), and the tensor's row may end there.
+    if (t >= p.n_kv || c0 >= p.head_dim) continue;
     float x[8];
     gpu::unpack8<T>(*reinterpret_cast<const uint4*>(vb + (int64_t)t * p.v_stride_n + c0), x);
 #pragma unroll

@@ -48,7 +48,12 @@ std::vector<Variant> variants() {
 }
 
 bool gpu_has_kernel(const std::string& recipe, int64_t head_dim) {
-  return !(preset(recipe).pv_format == PVFormat::fp16 && kernel_head_dim(int(head_dim)) > 128);
+  // kernel_traits.h variant_has_kernel: fp16 PV and SageBwd's int8_dynamic stop at d = 128.
+  // int8_dynamic is the dispatch's path for int8 P per token with V per block.
+  const Recipe r = preset(recipe);
+  const bool int8_dynamic = r.pv_format == PVFormat::int8 && r.p_scale == PScale::per_token &&
+                            r.v_scale == VScale::per_block;
+  return !((r.pv_format == PVFormat::fp16 || int8_dynamic) && kernel_head_dim(int(head_dim)) > 128);
 }
 
 std::vector<int64_t> harness_head_dims() {

@@ -51,7 +51,7 @@ std::vector<Variant> variants();
 // from every accepted head dim (gpu_head_dim_list).
 std::vector<int64_t> harness_head_dims();
 // Whether a recipe's PV path has a kernel at the tile of head_dim (sm90 kernel_traits.h,
-// variant_has_kernel: none for fp16 PV above d = 128); the tests skip the others, and
+// variant_has_kernel: none for fp16 PV or SageBwd's int8_dynamic above d = 128); the tests skip the others, and
 // Sm90Attention.Fp16PvIsRefusedAbove128 checks their refusal.
 bool gpu_has_kernel(const std::string& recipe, int64_t head_dim);
 

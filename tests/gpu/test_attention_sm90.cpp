@@ -39,13 +39,14 @@ std::vector<GpuCase> for_every_variant(const std::function<void(const GpuCase&, 
   return cases;
 }
 
-// Issue 34: fp16 P and V have no kernel above d = 128 (shared memory); the call is refused
-// naming the recipe, on a tile's own head dim and on a padded one.
+// Issue 34: fp16 P and V have no kernel above d = 128 (shared memory), nor SageBwd's
+// int8_dynamic path (no split PV MMA); the call is refused naming the recipe, on a tile's own
+// head dim and on a padded one.
 TEST(Sm90Attention, Fp16PvIsRefusedAbove128) {
   SAGE_REQUIRE_GPU();
   std::vector<GpuCase> cases;
   for (int64_t d : harness_head_dims())
-    for (const char* recipe : {"sage1_t", "sage1_b"}) {
+    for (const char* recipe : {"sage1_t", "sage1_b", "sagebwd"}) {
       GpuCase c;
       c.recipe = recipe, c.head_dim = d, c.n_q = 100, c.n_kv = 130;
       if (!gpu_has_kernel(c.recipe, d)) cases.push_back(c);

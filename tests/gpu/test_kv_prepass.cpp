@@ -54,6 +54,7 @@ TEST(KVPrepass, MatchesCpuQuantization) {
     p.k_stride_h = p.v_stride_h = int64_t(n) * D;
     p.k_stride_n = p.v_stride_n = D;
     p.batch = 1, p.heads_kv = 1, p.n_kv = n, p.n_pad = n_pad;
+    p.head_dim = D;  // the caller's head dim bounds every read (0 would read nothing)
     p.k_granularity = Granularity::per_thread;
     p.k_max = 127, p.v_format = quant::VFormat::e4m3;
     p.smooth_k = true, p.smooth_v = false, p.v_max = 448.f;
