@@ -7,7 +7,6 @@ and compares every result with sagekit.sageattn called directly.
 
 import functools
 import inspect
-import math
 import sys
 import types
 
