@@ -25,25 +25,45 @@ struct KvTiles {
 
 // The lengths come from the parameter block at each use rather than from copies: kept in
 // registers through the K/V loop, copies cost the loop's register budget (SASS).
-struct Mask {
+// kVarlen (a packed variable-length batch): every item has its sequence's lengths
+// (set_lengths), which the mask holds in registers (n_kv and the diagonal live through the K/V
+// loop). Kept in a per-warp slot of shared memory instead and read at each use, ptxas spilled
+// more, not less (d = 128: 112-148 bytes against 28-36; docs/design.md, "Packed batches").
+template <bool kVarlen = false>
+struct MaskOf {
   const AttentionParams& p;
-  int diagonal;  // n_kv - n_q: row i's own key under bottom-right alignment
+  int diagonal_;  // n_kv - n_q: row i's own key under bottom-right alignment
+  int seq_n_q = 0, seq_n_kv = 0;  // kVarlen: the item's sequence's
 
-  __device__ __forceinline__ explicit Mask(const AttentionParams& p_)
-      : p(p_), diagonal(p_.n_kv - p_.n_q) {}
+  __device__ __forceinline__ explicit MaskOf(const AttentionParams& p_)
+      : p(p_), diagonal_(p_.n_kv - p_.n_q) {}
+
+  __device__ __forceinline__ void set_lengths(int n_q_, int n_kv_) {
+    static_assert(kVarlen, "dense items have the parameter block's lengths");
+    seq_n_q = n_q_, seq_n_kv = n_kv_, diagonal_ = n_kv_ - n_q_;
+  }
+  __device__ __forceinline__ int n_q() const {
+    if constexpr (kVarlen) return seq_n_q;
+    else return p.n_q;
+  }
+  __device__ __forceinline__ int n_kv() const {
+    if constexpr (kVarlen) return seq_n_kv;
+    else return p.n_kv;
+  }
+  __device__ __forceinline__ int diagonal() const { return diagonal_; }
 
   // The K/V tiles the Q tile of BlockQ rows starting at q0 visits: from the tile of its first
   // row's first key to the tile of its last row's last key (the last one partly). kLeft: the
   // launch has a left window (kernel_config.cuh, kLeftWindow); without one the first is 0.
   template <int BlockQ, bool kLeft>
   __device__ __forceinline__ KvTiles kv_tiles(int q0) const {
-    const int row_end = min(q0 + BlockQ, p.n_q);
+    const int row_end = min(q0 + BlockQ, n_q());
     if constexpr (kLeft) {
-      const TileRange r = visible_tiles<int>(q0, row_end, p.n_q, p.n_kv, p.window_left,
+      const TileRange r = visible_tiles<int>(q0, row_end, n_q(), n_kv(), p.window_left,
                                              p.window_right, kBlockKV);
       return {r.begin, r.end};
     } else {
-      const int end_key = end_visible_key<int>(row_end - 1, p.n_q, p.n_kv, p.window_right);
+      const int end_key = end_visible_key<int>(row_end - 1, n_q(), n_kv(), p.window_right);
       return {0, (end_key + kBlockKV - 1) / kBlockKV};
     }
   }
@@ -54,9 +74,9 @@ struct Mask {
   template <bool kLeft>
   __device__ __forceinline__ bool tile_needs_mask(int it, int row0) const {
     const int kv0 = it * kBlockKV;
-    return kv0 + kBlockKV > p.n_kv ||
-           (p.window_right >= 0 && kv0 + kBlockKV - 1 > row0 + diagonal + p.window_right) ||
-           (kLeft && kv0 < row0 + 63 + diagonal - p.window_left);
+    return kv0 + kBlockKV > n_kv() ||
+           (p.window_right >= 0 && kv0 + kBlockKV - 1 > row0 + diagonal() + p.window_right) ||
+           (kLeft && kv0 < row0 + 63 + diagonal() - p.window_left);
   }
 
   // Entry i of tile it is masked iff its column offset from this thread's first column,
@@ -67,13 +87,13 @@ struct Mask {
   __device__ __forceinline__ void end_limits(int it, const int (&rows)[2], int t, int (&limit)[2]) const {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int end_key = p.window_right >= 0 ? min(p.n_kv, rows[r] + diagonal + p.window_right + 1) : p.n_kv;
+      const int end_key = p.window_right >= 0 ? min(n_kv(), rows[r] + diagonal() + p.window_right + 1) : n_kv();
       limit[r] = end_key - (it * kBlockKV + 2 * t);
     }
   }
   __device__ __forceinline__ void begin_limits(int it, const int (&rows)[2], int t, int (&limit)[2]) const {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) limit[r] = rows[r] + diagonal - p.window_left - (it * kBlockKV + 2 * t);
+    for (int r = 0; r < 2; ++r) limit[r] = rows[r] + diagonal() - p.window_left - (it * kBlockKV + 2 * t);
   }
   __device__ __forceinline__ static constexpr int column(int i) { return 8 * (i / 4) + i % 2; }
 
@@ -105,5 +125,7 @@ struct Mask {
     apply<kLeft>(it, rows, t, acc, int32_t(INT32_MIN));
   }
 };
+
+using Mask = MaskOf<false>;
 
 }  // namespace sage::sm90
