@@ -769,7 +769,10 @@ void launch_kv_prepass(const KVQuantParams& p, cudaStream_t stream) {
   // Set here, not in the kernel: a division in every CTA before its first load slowed the
   // pre-pass (v29, docs/history/README.md).
   q.k_mean_samples = int(rules::k_mean_samples(p.n_kv, p.k_mean_stride));
-  const int ctas = stats_ctas(p.n_kv);
+  // A packed batch always takes the full cluster: its size decides how a head's rows are split
+  // and summed, and it must not follow max_seqlen_k (the longest neighbour), or a sequence's
+  // statistics, hence its output bits, would depend on what it is packed with.
+  const int ctas = p.cu_seqlens_k != nullptr ? kStatsCtas : stats_ctas(p.n_kv);
   q.stats_k_ctas = stats_k_ctas(p.k_mean_stride, ctas);
   const dim3 stats_grid(ctas, p.heads_kv, p.batch);  // one cluster per head
   if (ctas == kStatsCtas)
