@@ -129,7 +129,7 @@ struct VarlenCall {
 void fill_varlen(VarlenCall& c, nb::handle q, nb::handle k, nb::handle v, nb::handle cu_seqlens_q,
                  nb::handle cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                  nb::handle out, nb::handle lse, bool causal, Window window,
-                 std::optional<double> sm_scale, nb::handle recipe) {
+                 std::optional<double> sm_scale, nb::handle recipe, bool host = true) {
   sage::VarlenArgs& a = c.args;
   a.recipe = recipe_from(recipe);
   a.q = c.arrays.input(q, "q");
@@ -146,8 +146,10 @@ void fill_varlen(VarlenCall& c, nb::handle q, nb::handle k, nb::handle v, nb::ha
   a.window_left = window.left;
   a.window_right = window.right;
   if (sm_scale) a.sm_scale = static_cast<float>(*sm_scale);
-  require_host({{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.cu_seqlens_q, "cu_seqlens_q"},
-                {&a.cu_seqlens_k, "cu_seqlens_k"}, {&a.out, "out"}, {&a.lse, "lse"}});
+  // The CPU references read host memory; the GPU entry point checks devices itself.
+  if (host)
+    require_host({{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.cu_seqlens_q, "cu_seqlens_q"},
+                  {&a.cu_seqlens_k, "cu_seqlens_k"}, {&a.out, "out"}, {&a.lse, "lse"}});
 }
 
 nb::dict problem_dict(const sage::Problem& p) {
@@ -618,7 +620,7 @@ NB_MODULE(_C, m) {
          nb::handle recipe, nb::handle workspace, uintptr_t stream) {
         VarlenCall c;
         fill_varlen(c, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse,
-                    causal, {window_left, window_right}, sm_scale, recipe);
+                    causal, {window_left, window_right}, sm_scale, recipe, /*host=*/false);
         const size_t need = sage::varlen_workspace_bytes(c.args);
         size_t ws_size = 0;
         nb::object allocated;  // keeps an allocator's buffer alive until the launch is queued
