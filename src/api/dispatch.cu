@@ -557,10 +557,12 @@ CheckedVarlen check_gpu_varlen(const VarlenArgs& args) {
   const KernelVariant v = check_gpu_recipe(r);
   check_variant_at_head_dim(r, v, call.problem.head_dim);
   check_row_sum(r, v, call.problem.head_dim);
-  check_alignment("q", args.q, 8);
-  check_alignment("k", args.k, 8);
-  check_alignment("v", args.v, 8);
-  check_alignment("out", args.out, 2);
+  // On the 4-d per-sequence views, whose last stride is head_dim's 1 (check_alignment reads
+  // the first three).
+  check_alignment("q", call.dense.q, 8);
+  check_alignment("k", call.dense.k, 8);
+  check_alignment("v", call.dense.v, 8);
+  check_alignment("out", call.dense.out, 2);
   const WorkspaceLayout w = workspace_layout(call.problem, v.path);
   // The kernels address the workspace's K rows and the TMA maps' rows in 32 bits.
   if (uint64_t(w.heads) * uint64_t(w.n_pad) >= (uint64_t(1) << 31))
