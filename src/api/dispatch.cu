@@ -563,6 +563,10 @@ CheckedVarlen check_gpu_varlen(const VarlenArgs& args) {
   check_alignment("k", call.dense.k, 8);
   check_alignment("v", call.dense.v, 8);
   check_alignment("out", call.dense.out, 2);
+  // The pre-pass's grids take a sequence per blockIdx.z.
+  if (call.problem.batch > 65535)
+    throw Error("cu_seqlens_q", "at most 65535 sequences per call on the GPU (got " +
+                                    std::to_string(call.problem.batch) + ")");
   const WorkspaceLayout w = workspace_layout(call.problem, v.path);
   // The kernels address the workspace's K rows and the TMA maps' rows in 32 bits.
   if (uint64_t(w.heads) * uint64_t(w.n_pad) >= (uint64_t(1) << 31))
