@@ -57,6 +57,7 @@ __device__ __forceinline__ ConsumerItem consumer_item(const AttentionParams& p, 
   const KvTiles tiles = mask.template kv_tiles<K::kBlockQ, K::kLeftWindow>(c.q0);
   c.kv_begin = tiles.begin, c.kv_end = tiles.end;
   c.wg_row0 = c.q0 + 64 * c.cw;
+  if constexpr (K::kVarlen) mask.set_rows(c.wg_row0);
   c.rows[0] = c.wg_row0 + 16 * c.warp + c.g;
   c.rows[1] = c.wg_row0 + 16 * c.warp + c.g + 8;
   c.kv_head = UniformSeqLen{p}.kv_head(c.b, c.hk);

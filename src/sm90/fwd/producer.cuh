@@ -39,7 +39,7 @@ struct Producer {
         // An item past its sequence's last Q row loads nothing (the consumers skip it too).
         const int n_q = seq.n_q(item.b);
         if (item.q_tile * K::kBlockQ >= n_q) continue;
-        mask.set_lengths(n_q, seq.n_kv(item.b));
+        mask.template set_lengths<false>(n_q, seq.n_kv(item.b));
       }
       // Only the tiles the item's rows see: a window's others are never loaded.
       const KvTiles tiles = mask.template kv_tiles<K::kBlockQ, K::kLeftWindow>(item.q_tile * K::kBlockQ);
