@@ -4,6 +4,7 @@
 
 #include "sm90/fwd/k_scales.cuh"
 #include "sm90/fwd/kernel_traits.h"
+#include "sm90/fwd/mask.cuh"
 #include "sm90/fwd/pv_operand.cuh"
 #include "sm90/fwd/shared_storage.cuh"
 #include "sm90/fwd/softmax.cuh"
@@ -56,6 +57,9 @@ struct KernelConfig {
   // The opt-in maximum of dynamic shared memory per block on sm_90 (227 KiB), with the launch's
   // 1024 bytes of alignment slack.
   static_assert(sizeof(Storage) + 1024 <= 232448, "shared memory");
+  // The packed-batch kernels also hold mask.cuh's static per-warp slots.
+  static_assert(!Varlen_ || (sizeof(Storage) + 1024 + sizeof(varlen_mask_slot) <= 232448 &&
+                             kThreads <= 32 * kMaxWarpsPerCta), "shared memory (packed batches)");
 
   // The integer row max (softmax.cuh, update_from_int) for per-tile K scales without Q
   // smoothing: the simulator follows rules::integer_row_max, which dispatch checks against this.
