@@ -41,7 +41,7 @@ if has sanitize; then
   log compute-sanitizer
   for tool in memcheck racecheck; do
     timeout ${SANITIZE_TIMEOUT:-150} compute-sanitizer --tool $tool --error-exitcode 9 $BUILD/tests/sage_tests_gpu \
-      --gtest_filter='Sm90Sanitize.*:Sm90TwoStep.*' \
+      --gtest_filter="${SANITIZE_FILTER:-Sm90Sanitize.*:Sm90TwoStep.*}" \
       > "$OUT/sanitize_$tool.log" 2>&1
     rc=$?
     echo "$tool exit $rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"

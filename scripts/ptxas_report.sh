@@ -14,7 +14,7 @@ cd "$BUILD"
 # (generated/sm90/bwd/backward_d*: its pre-pass, kernel and finalize, one line each). The
 # depfile goes to a scratch file so that the build's own stays as ninja wrote it.
 ninja -t commands src/libsage.a |
-  grep -E "generated/sm90/(fwd/attention|bwd/backward)_d[^ ]*${FILTER}[^ ]*\.cu" |
+  grep -v " qc " | grep -E "generated/sm90/(fwd/attention|bwd/backward)_d[^ ]*${FILTER}[^ ]*\.cu" |
   while read -r cmd; do
     name=$(grep -oE "(attention|backward)_d[^ /]*\.cu" <<< "$cmd" | head -1)
     cmd=$(sed -E 's/-MF [^ ]+/-MF \/dev\/null/' <<< "$cmd")

@@ -5,7 +5,8 @@
 //   k, v [total_k, heads_kv, head_dim]   same dtype as q
 //   out  [total_q, heads_q,  head_dim]   any float dtype on the CPU
 //   lse  [heads_q, total_q]              f32, optional (the packed form FlashAttention uses)
-//   cu_seqlens_q [batch + 1], cu_seqlens_k [batch + 1]   i32, in host memory
+//   cu_seqlens_q [batch + 1], cu_seqlens_k [batch + 1]   i32: in host memory for the CPU
+//                                        references, in device memory for attention_varlen
 // Sequence b owns query tokens cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 and key tokens
 // cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1. The offsets start at 0, never decrease, and end
 // at the token counts; max_seqlen_q / max_seqlen_k are at least the longest sequence (they
@@ -18,9 +19,13 @@
 // sequences. A sequence with no query token writes nothing; one with query tokens and no key
 // writes output 0 and LSE -inf.
 //
-// Only the CPU references run varlen today. The sm_90 kernel does not exist yet:
-// attention_varlen() refuses every call by name (argument "cu_seqlens_q").
-// Prequantized INT8 inputs are refused too (their scales have no packed form yet).
+// The CPU references (reference::simulate_varlen / exact_varlen) read the offsets on the host.
+// The GPU path (attention_varlen) takes them in device memory, as flash_attn_varlen_func
+// does, and never reads them on the host (no synchronization; CUDA-graph capture): its grid
+// and workspace come from batch, max_seqlen_q / max_seqlen_k and the head counts, so the
+// offsets' contract above is the caller's (a length above max_seqlen is cut to max_seqlen on
+// the device rather than read out of bounds; nothing else is checked there).
+// Prequantized INT8 inputs are refused (their scales have no packed form yet).
 #pragma once
 
 #include <cstddef>
@@ -38,7 +43,9 @@ struct VarlenArgs {
   TensorView q, k, v;  // packed [total_tokens, heads, head_dim], head_dim contiguous
   TensorView out;
   TensorView lse;  // optional: leave undefined to skip
-  TensorView cu_seqlens_q, cu_seqlens_k;  // i32 [batch + 1], host memory
+  // i32 [batch + 1]: host memory (CPU references) or device memory (attention_varlen), as the
+  // views' device says.
+  TensorView cu_seqlens_q, cu_seqlens_k;
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
   bool causal = false;
   int64_t window_left = -1, window_right = -1;  // as AttentionArgs, per sequence
@@ -62,8 +69,23 @@ VarlenProblem check_varlen_args(const VarlenArgs& args);
 // out and lse (no copy), with the mask, scale and recipe of `args`.
 AttentionArgs sequence_args(const VarlenArgs& args, const VarlenProblem& p, int64_t b);
 
-// The GPU entry point. No sm_90 kernel for packed batches exists yet: every call throws
-// sage::Error("cu_seqlens_q", ...) saying so, before anything is read or enqueued.
+// ---- GPU (sm_90a) -------------------------------------------------------------------------
+// Bytes of device workspace attention_varlen needs: the quantized K/V laid out per sequence,
+// each padded to whole 128-key tiles of max_seqlen_k (at most total_k): a dense batch of
+// `batch` entries of max_seqlen_k keys, sized from host-known values only (batch from the
+// offsets' shape, never their contents), so the same size serves CUDA-graph replays.
+size_t varlen_workspace_bytes(const VarlenArgs& args);
+// The same from sizes alone (what a traced graph knows): batch = cu_seqlens' length - 1,
+// total_k = k's token count. Shape arithmetic only; equal to the above for such arguments.
+size_t varlen_workspace_bytes(int64_t batch, int64_t heads_kv, int64_t max_seqlen_k,
+                              int64_t total_k, int64_t head_dim, const Recipe& recipe);
+
+// Runs a packed batch on the GPU on `stream`. Asynchronous; throws sage::Error for bad
+// arguments (naming them) before anything is enqueued. cu_seqlens_q / cu_seqlens_k in device
+// memory (i32, contiguous), max_seqlen_q / max_seqlen_k upper bounds of the lengths. Every
+// statistic is per sequence (the pre-pass reads sequence b into the workspace's entry b; the
+// kernel's items are (sequence, head, Q tile) and an item past its sequence's end exits), so a
+// sequence's output does not depend on its neighbours, bit for bit.
 void attention_varlen(const VarlenArgs& args, void* workspace, size_t workspace_size, void* stream);
 
 namespace reference {

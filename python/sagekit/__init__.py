@@ -6,8 +6,8 @@ exact_varlen) and, when torch is installed, adds the GPU front end
 (sageattn, scaled_dot_product_attention, patch_sdpa) built on the custom ops in sagekit.ops
 (torch.ops.sagekit.*; with recipe="sagebwd", loss.backward() trains through them), and the same attention in two steps (quantize_kv once, then
 sageattn_quantized_kv any number of times).
-sageattn_varlen (flash_attn_varlen_func's arguments) exists but has no GPU kernel yet: it
-raises a named ArgumentError.
+sageattn_varlen (flash_attn_varlen_func's arguments) runs packed variable-length batches on
+the GPU (device cu_seqlens; every statistic per sequence).
 sagekit.compat has the reference SageAttention package's functions, with its signatures.
 """
 

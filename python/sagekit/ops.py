@@ -28,6 +28,14 @@ Ops:
     sageattn(..., recipe="sagebwd") works, in eager mode, under torch.compile and in CUDA
     graphs. The LSE output is not differentiable (see _attention_setup_context).
 
+  torch.ops.sagekit.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, is_causal, window_left, window_right,
+                                     scale, recipe, return_lse) -> (out, lse)
+    a packed variable-length batch (flash_attn_varlen_func's arguments): q [total_q, Hq, D],
+    k, v [total_k, Hkv, D], cu_seqlens_* int32 [batch + 1] on q's device (never read on the
+    host); out: q's shape and dtype (contiguous); lse: float32 [Hq, total_q] when return_lse,
+    else an empty tensor. Every statistic is per sequence; the mask is bottom-right per sequence.
+
   The same call in two steps (the C++ quantize_kv / attention_from_quantized_kv), so that
   K/V are quantized once and attended many times (a KV cache, several query sets, timing
   the attention kernel without the K/V pre-pass):
@@ -52,7 +60,8 @@ from . import _C
 from ._errors import argument_error
 from .reference import dlpack_capsule
 
-__all__ = ["attention", "attention_backward", "attention_from_quantized_kv", "quantize_kv"]
+__all__ = ["attention", "attention_backward", "attention_from_quantized_kv", "attention_varlen",
+           "quantize_kv"]
 
 # Capability lookups go through the CUDA runtime; one per device and process is enough.
 _capability: Dict[int, Tuple[int, int]] = {}
@@ -188,6 +197,48 @@ def _attention_fake(q, k, v, layout, is_causal, window_left, window_right, scale
     # Same shapes, dtypes and (contiguous) strides as the real op allocates.
     out = q.new_empty(q.shape, dtype=_out_dtype(q, out_dtype))
     lse = q.new_empty(_lse_shape(q, layout, return_lse), dtype=torch.float32)
+    return out, lse
+
+
+# ---- packed variable-length batches ---------------------------------------------------------
+# The offsets stay on the device: the op never reads them on the host (no synchronization, and
+# a CUDA graph replays with new offsets), so the grid and the workspace come from host-known
+# values only (batch, max_seqlen_q / max_seqlen_k, the tensors' sizes).
+
+
+def _attention_varlen_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, is_causal: bool,
+                           window_left: int, window_right: int, scale: Optional[float],
+                           recipe: str, return_lse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    _require_cuda_build()
+    recipe = resolve_auto(recipe, q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(_varlen_lse_shape(q, return_lse), dtype=torch.float32, device=q.device)
+    with _on_device(q.device) as stream:
+        _C.attention_varlen(dlpack_capsule(q), dlpack_capsule(k), dlpack_capsule(v),
+                            dlpack_capsule(cu_seqlens_q), dlpack_capsule(cu_seqlens_k),
+                            max_seqlen_q, max_seqlen_k, dlpack_capsule(out),
+                            dlpack_capsule(lse) if return_lse else None, causal=is_causal,
+                            window_left=window_left, window_right=window_right, sm_scale=scale,
+                            recipe=recipe, workspace=_allocate(q.device), stream=stream)
+    return out, lse
+
+
+def _varlen_lse_shape(q: torch.Tensor, return_lse: bool) -> Tuple[int, ...]:
+    # FlashAttention's packed LSE: [heads_q, total_q].
+    return (q.shape[1], q.shape[0]) if return_lse else (0,)
+
+
+attention_varlen = torch.library.custom_op("sagekit::attention_varlen", mutates_args=(),
+                                          device_types="cuda")(_attention_varlen_body)
+
+
+@attention_varlen.register_fake
+def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           is_causal, window_left, window_right, scale, recipe, return_lse):
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(_varlen_lse_shape(q, return_lse), dtype=torch.float32)
     return out, lse
 
 
@@ -420,6 +471,7 @@ def _fast_eager(op, body, name):
 
 
 call_attention = _fast_eager(attention, _attention_body, "attention")
+call_attention_varlen = _fast_eager(attention_varlen, _attention_varlen_body, "attention_varlen")
 call_quantize_kv = _fast_eager(quantize_kv, _quantize_kv_body, "quantize_kv")
 call_attention_from_quantized_kv = _fast_eager(
     attention_from_quantized_kv, _attention_from_quantized_kv_body, "attention_from_quantized_kv")

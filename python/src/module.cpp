@@ -129,7 +129,7 @@ struct VarlenCall {
 void fill_varlen(VarlenCall& c, nb::handle q, nb::handle k, nb::handle v, nb::handle cu_seqlens_q,
                  nb::handle cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                  nb::handle out, nb::handle lse, bool causal, Window window,
-                 std::optional<double> sm_scale, nb::handle recipe) {
+                 std::optional<double> sm_scale, nb::handle recipe, bool host = true) {
   sage::VarlenArgs& a = c.args;
   a.recipe = recipe_from(recipe);
   a.q = c.arrays.input(q, "q");
@@ -146,8 +146,10 @@ void fill_varlen(VarlenCall& c, nb::handle q, nb::handle k, nb::handle v, nb::ha
   a.window_left = window.left;
   a.window_right = window.right;
   if (sm_scale) a.sm_scale = static_cast<float>(*sm_scale);
-  require_host({{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.cu_seqlens_q, "cu_seqlens_q"},
-                {&a.cu_seqlens_k, "cu_seqlens_k"}, {&a.out, "out"}, {&a.lse, "lse"}});
+  // The CPU references read host memory; the GPU entry point checks devices itself.
+  if (host)
+    require_host({{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.cu_seqlens_q, "cu_seqlens_q"},
+                  {&a.cu_seqlens_k, "cu_seqlens_k"}, {&a.out, "out"}, {&a.lse, "lse"}});
 }
 
 nb::dict problem_dict(const sage::Problem& p) {
@@ -603,11 +605,59 @@ NB_MODULE(_C, m) {
   m.def("exact_varlen", host_varlen(&sage::reference::exact_varlen), SAGEKIT_VARLEN_KWARGS,
         (std::string("exact on each sequence of a packed batch. ") + varlen_doc).c_str());
 #undef SAGEKIT_VARLEN_KWARGS
+  const auto gpu_varlen_doc =
+      "q: [total_q, heads_q, head_dim], k, v: [total_k, heads_kv, head_dim] device arrays "
+      "(fp16/bf16, head_dim contiguous, any other strides); cu_seqlens_q, cu_seqlens_k: int32 "
+      "[batch + 1] offsets in device memory (flash_attn_varlen_func's; never read on the host); "
+      "max_seqlen_q/_k: at least the longest sequence (they size the grid and the workspace); "
+      "out: q's shape, written; lse: optional [heads_q, total_q] float32, written; causal "
+      "(bottom-right per sequence), window_left/window_right, sm_scale, recipe as for attention.";
   m.def(
       "attention_varlen",
-      [] { sage::attention_varlen(sage::VarlenArgs{}, nullptr, 0, nullptr); },
-      "The GPU entry point of packed variable-length batches. No sm_90 kernel exists yet: it "
-      "raises ArgumentError('cu_seqlens_q: ...') saying so, whatever the build.");
+      [](nb::handle q, nb::handle k, nb::handle v, nb::handle cu_seqlens_q, nb::handle cu_seqlens_k,
+         int64_t max_seqlen_q, int64_t max_seqlen_k, nb::handle out, nb::handle lse, bool causal,
+         int64_t window_left, int64_t window_right, std::optional<double> sm_scale,
+         nb::handle recipe, nb::handle workspace, uintptr_t stream) {
+        VarlenCall c;
+        fill_varlen(c, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse,
+                    causal, {window_left, window_right}, sm_scale, recipe, /*host=*/false);
+        const size_t need = sage::varlen_workspace_bytes(c.args);
+        size_t ws_size = 0;
+        nb::object allocated;  // keeps an allocator's buffer alive until the launch is queued
+        void* ws = call_workspace(c.arrays, workspace, need, c.args.q.device, allocated, &ws_size);
+        nb::gil_scoped_release unlocked;
+        sage::attention_varlen(c.args, ws, ws_size, reinterpret_cast<void*>(stream));
+      },
+      "q"_a.none(), "k"_a.none(), "v"_a.none(), "cu_seqlens_q"_a.none(), "cu_seqlens_k"_a.none(),
+      "max_seqlen_q"_a, "max_seqlen_k"_a, "out"_a.none(), "lse"_a.none() = nb::none(),
+      "causal"_a = false, "window_left"_a = -1, "window_right"_a = -1, "sm_scale"_a = nb::none(),
+      "recipe"_a.none() = "sage2_8b", "workspace"_a.none() = nb::none(), "stream"_a = 0,
+      (std::string("Quantized attention on a packed variable-length batch on the GPU, enqueued "
+                   "on `stream` (a cudaStream_t as an int). Every statistic is per sequence. "
+                   "workspace: a device buffer of at least varlen_workspace_bytes(...) bytes, "
+                   "or a callable(nbytes) returning one. ") +
+       gpu_varlen_doc)
+          .c_str());
+  m.def(
+      "varlen_workspace_bytes",
+      [](int64_t batch, int64_t heads_kv, int64_t max_seqlen_k, int64_t total_k, int64_t head_dim,
+         nb::handle recipe) {
+        const std::pair<int64_t, const char*> dims[] = {{batch, "batch"},
+                                                        {heads_kv, "heads_kv"},
+                                                        {max_seqlen_k, "max_seqlen_k"},
+                                                        {total_k, "total_k"},
+                                                        {head_dim, "head_dim"}};
+        for (const auto& [value, name] : dims)
+          if (value < 0)
+            throw sage::Error(name, "must be >= 0 (got " + std::to_string(value) + ")");
+        return sage::varlen_workspace_bytes(batch, heads_kv, max_seqlen_k, total_k, head_dim,
+                                            recipe_from(recipe));
+      },
+      "batch"_a, "heads_kv"_a, "max_seqlen_k"_a, "total_k"_a, "head_dim"_a,
+      "recipe"_a.none() = "sage2_8b",
+      "Bytes of device workspace attention_varlen needs: the quantized K/V laid out per "
+      "sequence, each padded to whole 128-key tiles of min(max_seqlen_k, total_k) keys. Shape "
+      "arithmetic only (no device is touched, no offset read). Raises in a build without CUDA.");
 
   m.def(
       "check_args",

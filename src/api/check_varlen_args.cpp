@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "api/varlen_gpu.h"
+#include "numerics/mask.h"
 #include "sage/attention.h"
 #include "sage/error.h"
 #include "sage/recipe.h"
@@ -129,7 +131,103 @@ void check_max_seqlen(int64_t max_seqlen, const std::vector<int64_t>& cu, const 
                           num(max_seqlen) + ")");
 }
 
+// cu_seqlens_q or _k for the GPU: i32 [batch + 1] in device memory on q's device, contiguous
+// (the kernels read entry b at b). Its contents are never read here.
+void check_device_offsets_view(const TensorView& t, const char* name, const Device& q_device) {
+  require_rank(t, name, 1, "[batch + 1] of i32 offsets");
+  if (t.dtype != DType::i32)
+    throw Error(name, std::string("dtype must be i32 (got ") + dtype_name(t.dtype) + ")");
+  if (t.shape[0] < 1)
+    throw Error(name, "must hold batch + 1 >= 1 offsets (got shape " + shape_text(t) + ")");
+  if (t.shape[0] > 1 && t.strides[0] != 1)
+    throw Error(name, "must be contiguous on the GPU (stride 1; got " + num(t.strides[0]) + ")");
+  if (t.data == nullptr) throw Error(name, "data must not be null");
+  if (reinterpret_cast<uintptr_t>(t.data) % 4 != 0)
+    throw Error(name, "data must be aligned to 4 bytes");
+  if (t.device.kind != DeviceKind::cuda)
+    throw Error(name, "must be in device memory for the GPU path, as flash_attn_varlen_func takes "
+                      "it (got " + device_name(t.device) + "); the CPU references "
+                      "(reference::simulate_varlen) take host offsets");
+  if (t.device != q_device)
+    throw Error(name, "must be on q's device " + device_name(q_device) + " (got " +
+                          device_name(t.device) + ")");
+}
+
+// max_seqlen_q / _k on the GPU: sizes the grid and the workspace (never read from the offsets).
+int64_t checked_max_seqlen(int64_t max_seqlen, int64_t total, const char* name) {
+  if (max_seqlen < 0) throw Error(name, "must be >= 0 (got " + num(max_seqlen) + ")");
+  if (max_seqlen > (int64_t(1) << 30))
+    throw Error(name, "must be at most 2^30 tokens on the GPU (got " + num(max_seqlen) + ")");
+  // No sequence is longer than the packed tensor: a larger bound costs nothing more.
+  return std::min(max_seqlen, total);
+}
+
+// A packed [tokens, heads, d] view as the NHD view [batch, max_seqlen, heads, d] whose batch
+// stride is 0: the kernels add sequence b's first row from the device offsets.
+TensorView per_sequence_view(const TensorView& packed, int64_t batch, int64_t max_seqlen) {
+  TensorView t = packed;
+  t.ndim = 4;
+  const int64_t shape[4] = {batch, max_seqlen, packed.shape[1], packed.shape[2]};
+  const int64_t strides[4] = {0, packed.strides[0], packed.strides[1], packed.strides[2]};
+  std::copy(shape, shape + 4, t.shape);
+  std::copy(strides, strides + 4, t.strides);
+  return t;
+}
+
 }  // namespace
+
+VarlenGpuCall check_varlen_args_gpu(const VarlenArgs& a) {
+  validate_recipe(a.recipe);
+  if (a.recipe.inputs != Inputs::floating)
+    throw Error("recipe.inputs", "packed variable-length batches take floating inputs only "
+                                 "(prequantized INT8 scales have no packed form yet)");
+  require_rank(a.q, "q", 3, "[total_q, heads_q, head_dim]");
+  require_rank(a.k, "k", 3, "[total_k, heads_kv, head_dim]");
+  require_rank(a.v, "v", 3, "[total_k, heads_kv, head_dim]");
+  require_rank(a.out, "out", 3, "[total_q, heads_q, head_dim]");
+  if (a.lse.defined()) require_rank(a.lse, "lse", 2, "[heads_q, total_q] (f32)");
+  check_device_offsets_view(a.cu_seqlens_q, "cu_seqlens_q", a.q.device);
+  check_device_offsets_view(a.cu_seqlens_k, "cu_seqlens_k", a.q.device);
+  if (a.cu_seqlens_k.shape[0] != a.cu_seqlens_q.shape[0])
+    throw Error("cu_seqlens_k", "must have cu_seqlens_q's length batch + 1 = " +
+                                    num(a.cu_seqlens_q.shape[0]) + " (got " +
+                                    num(a.cu_seqlens_k.shape[0]) + ")");
+  require_shape(a.v, "v", {a.k.shape[0], a.k.shape[1], a.k.shape[2]}, "k's shape");
+  require_shape(a.out, "out", {a.q.shape[0], a.q.shape[1], a.q.shape[2]}, "q's shape");
+  if (a.lse.defined()) require_shape(a.lse, "lse", {a.q.shape[1], a.q.shape[0]}, "[heads_q, total_q]");
+  // Every dense rule over all tokens at once (dtypes, devices, strides, head dims, GQA, the
+  // window's values, sm_scale), on the GPU's terms.
+  const Problem whole = check_args(dense_call(a, 0, a.q.shape[0], 0, a.k.shape[0]), DeviceKind::cuda);
+
+  VarlenGpuCall c;
+  c.total_q = whole.n_q;
+  c.total_k = whole.n_kv;
+  const int64_t batch = a.cu_seqlens_q.shape[0] - 1;
+  const int64_t max_q = checked_max_seqlen(a.max_seqlen_q, c.total_q, "max_seqlen_q");
+  const int64_t max_k = checked_max_seqlen(a.max_seqlen_k, c.total_k, "max_seqlen_k");
+  c.problem = whole;
+  c.problem.batch = batch;
+  c.problem.n_q = max_q;
+  c.problem.n_kv = max_k;
+  const KeyWindow w = normalized_window(a.causal, a.window_left, a.window_right, max_q, max_k);
+  c.problem.window_left = w.left;
+  c.problem.window_right = w.right;
+  c.dense = dense_call(a, 0, a.q.shape[0], 0, a.k.shape[0]);
+  c.dense.q = per_sequence_view(a.q, batch, max_q);
+  c.dense.out = per_sequence_view(a.out, batch, max_q);
+  c.dense.k = per_sequence_view(a.k, batch, max_k);
+  c.dense.v = per_sequence_view(a.v, batch, max_k);
+  if (a.lse.defined()) {
+    TensorView l = a.lse;
+    l.ndim = 3;
+    const int64_t shape[4] = {batch, a.lse.shape[0], max_q, 0};
+    const int64_t strides[4] = {0, a.lse.strides[0], a.lse.strides[1], 0};
+    std::copy(shape, shape + 4, l.shape);
+    std::copy(strides, strides + 4, l.strides);
+    c.dense.lse = l;
+  }
+  return c;
+}
 
 VarlenProblem check_varlen_args(const VarlenArgs& a) {
   validate_recipe(a.recipe);

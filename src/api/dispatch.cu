@@ -26,6 +26,8 @@ namespace sage {
 namespace sm90 {
 template <int D, class T, PVPath Path, KScales KS, bool SmoothQ>
 void launch_attention(const AttentionParams& p, const AttentionMaps& maps, cudaStream_t stream);
+template <int D, class T, PVPath Path, KScales KS, bool SmoothQ>
+void launch_attention_varlen(const AttentionParams& p, const AttentionMaps& maps, cudaStream_t stream);
 }
 
 namespace {
@@ -210,12 +212,21 @@ int qk_format_max(const Recipe& r) {
   return r.qk_format == QKFormat::int4 ? rules::kInt4Max : rules::kInt8Max;
 }
 
+// A packed variable-length batch's device offsets (attention_varlen): the dense steps below
+// then run with batch = the sequences and n_q / n_kv = max_seqlen_q / max_seqlen_k, on views
+// whose batch stride is 0 (varlen_gpu.h, VarlenGpuCall), and every pass adds sequence b's first
+// row and takes its lengths from these. Null for a dense call.
+struct VarlenOffsets {
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+};
+
 // ---- the two steps, for one head dim and dtype ----------------------------------------------
 
 // qk_channel_balance: the Q channel ranges of every KV head's group into q_amax (workspace).
 template <int D, class T>
 const float* measure_q_channel_range(const AttentionArgs& args, const Problem& pr, uint8_t* q_amax,
-                                     cudaStream_t stream) {
+                                     cudaStream_t stream, const VarlenOffsets* varlen) {
   quant::QRangeParams qr{};
   qr.q = args.q.data;
   const Dims qs = strides_of(args.q, args.layout);
@@ -225,13 +236,14 @@ const float* measure_q_channel_range(const AttentionArgs& args, const Problem& p
   qr.head_dim = int(pr.head_dim);
   qr.stride = args.recipe.k_mean_stride;
   qr.q_amax = reinterpret_cast<float*>(q_amax);
+  qr.cu_seqlens_q = varlen ? varlen->cu_seqlens_q : nullptr;
   quant::launch_q_channel_range<D, T>(qr, stream);
   return qr.q_amax;
 }
 
 template <int D, class T>
 void run_quantize_kv(const AttentionArgs& args, const Problem& pr, const KernelVariant& v,
-                     uint8_t* ws, cudaStream_t stream) {
+                     uint8_t* ws, cudaStream_t stream, const VarlenOffsets* varlen) {
   // Nothing to quantize; with no keys the attention kernel writes zeros and -inf LSE without
   // reading the workspace's values.
   if (pr.batch == 0 || pr.heads_kv == 0 || pr.n_kv == 0) return;
@@ -264,15 +276,30 @@ void run_quantize_kv(const AttentionArgs& args, const Problem& pr, const KernelV
     qp.vs_stride_c = args.v_scale.ndim == 3 ? args.v_scale.strides[2] : 0;
   }
   qp.out = quantized_kv_at(ws, w, r);
-  if (r.qk_channel_balance) qp.q_amax = measure_q_channel_range<D, T>(args, pr, ws + w.q_amax, stream);
+  qp.cu_seqlens_k = varlen ? varlen->cu_seqlens_k : nullptr;
+  if (r.qk_channel_balance)
+    qp.q_amax = measure_q_channel_range<D, T>(args, pr, ws + w.q_amax, stream, varlen);
   quant::launch_kv_prepass<D, T>(qp, stream);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw_cuda("K/V pre-pass launch", err);
 }
 
+// The packed kernels of a variant, where the build has them (SAGE_VARLEN_KERNELS; without them
+// attention_varlen refuses before anything runs).
+template <int D, class T, sm90::PVPath P, sm90::KScales K, bool SQ>
+void launch_varlen_variant(const sm90::AttentionParams& ap, const sm90::AttentionMaps& maps,
+                           cudaStream_t stream) {
+#if SAGE_VARLEN_KERNELS
+  sm90::launch_attention_varlen<D, T, P, K, SQ>(ap, maps, stream);
+#else
+  (void)ap, (void)maps, (void)stream;
+  throw std::logic_error("sage: internal error: a packed batch reached a build without its kernels");
+#endif
+}
+
 template <int D, class T>
 void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVariant& v,
-                   uint8_t* ws, cudaStream_t stream, float* lse2) {
+                   uint8_t* ws, cudaStream_t stream, float* lse2, const VarlenOffsets* varlen) {
   if (pr.batch == 0 || pr.heads_q == 0 || pr.n_q == 0) return;
   const WorkspaceLayout w = workspace_layout(pr, v.path);
   const Recipe& r = args.recipe;
@@ -313,14 +340,24 @@ void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVar
   ap.lse2 = lse2;
   ap.work = sm90::work_schedule(ap, D, sm90::v_bytes(v.path));  // after every field it reads
   ap.kv = quantized_kv_at(ws, w, r);
-  ap.q_stage = sm90::take_q_stage(ap, sm90::q_stage_capable(v.path, v.smooth_q, D), D);
+  if (varlen) {
+    // The Q stage's TMA map is over a dense [B, Hq, n_q, D] Q: the packed kernels load Q in
+    // their prologue (kernel_config.cuh, kVarlen).
+    ap.cu_seqlens_q = varlen->cu_seqlens_q, ap.cu_seqlens_k = varlen->cu_seqlens_k;
+    ap.q_stage = false;
+  } else {
+    ap.q_stage = sm90::take_q_stage(ap, sm90::q_stage_capable(v.path, v.smooth_q, D), D);
+  }
   const sm90::AttentionMaps maps = sm90::make_attention_maps(ap, D, sm90::v_bytes(v.path));
   bool launched = false;
 #define SAGE_LAUNCH_VARIANT(P, K, SQ)                                                       \
   if constexpr (sm90::variant_has_kernel(D, sm90::PVPath::P)) {                             \
     if (!launched && v.path == sm90::PVPath::P && v.k_scales == sm90::KScales::K &&         \
         v.smooth_q == bool(SQ)) {                                                           \
-      sm90::launch_attention<D, T, sm90::PVPath::P, sm90::KScales::K, bool(SQ)>(ap, maps, stream); \
+      if (varlen)                                                                           \
+        launch_varlen_variant<D, T, sm90::PVPath::P, sm90::KScales::K, bool(SQ)>(ap, maps, stream); \
+      else                                                                                  \
+        sm90::launch_attention<D, T, sm90::PVPath::P, sm90::KScales::K, bool(SQ)>(ap, maps, stream); \
       launched = true;                                                                      \
     }                                                                                       \
   }
@@ -337,7 +374,8 @@ enum class Step { quantize_kv, attention };
 // workspace's row size (quant::kv_layout_head_dim), the attention kernel on the tile of
 // kernel_head_dim (tile.h); both bound their reads of the caller's tensors by its head dim.
 void run_step(Step step, const AttentionArgs& args, const Problem& pr, const KernelVariant& v,
-              uint8_t* ws, cudaStream_t s, float* lse2 = nullptr) {
+              uint8_t* ws, cudaStream_t s, float* lse2 = nullptr,
+              const VarlenOffsets* varlen = nullptr) {
   const bool preq = args.recipe.inputs == Inputs::prequantized_int8;
   // quantize_kv of prequantized inputs never reads T; any instantiation serves.
   const DType t = preq ? (step == Step::attention ? args.out.dtype : DType::f16) : args.k.dtype;
@@ -345,14 +383,14 @@ void run_step(Step step, const AttentionArgs& args, const Problem& pr, const Ker
   const int d = int(pr.head_dim);
 #define SAGE_DISPATCH_KV_DIM(D)                                                            \
   if (step == Step::quantize_kv && d % 8 == 0 && quant::kv_layout_head_dim(d) == D) {      \
-    if (bf16) run_quantize_kv<D, __nv_bfloat16>(args, pr, v, ws, s);                       \
-    else run_quantize_kv<D, __half>(args, pr, v, ws, s);                                   \
+    if (bf16) run_quantize_kv<D, __nv_bfloat16>(args, pr, v, ws, s, varlen);               \
+    else run_quantize_kv<D, __half>(args, pr, v, ws, s, varlen);                           \
     return;                                                                                \
   }
 #define SAGE_DISPATCH_DIM(D)                                                               \
   if (step == Step::attention && d % 8 == 0 && kernel_head_dim(d) == D) {                  \
-    if (bf16) run_attention<D, __nv_bfloat16>(args, pr, v, ws, s, lse2);                   \
-    else run_attention<D, __half>(args, pr, v, ws, s, lse2);                               \
+    if (bf16) run_attention<D, __nv_bfloat16>(args, pr, v, ws, s, lse2, varlen);           \
+    else run_attention<D, __half>(args, pr, v, ws, s, lse2, varlen);                       \
     return;                                                                                \
   }
   SAGE_FOR_EACH_KV_LAYOUT_DIM(SAGE_DISPATCH_KV_DIM)
@@ -384,25 +422,29 @@ void check_variant_at_head_dim(const Recipe& r, const KernelVariant& v, int64_t 
                               ", or the CPU simulator");
 }
 
-Checked check_gpu_call(const AttentionArgs& args) {
-  const Problem pr = check_args(args, DeviceKind::cuda);
-  const KernelVariant v = check_gpu_recipe(args.recipe);
-  check_variant_at_head_dim(args.recipe, v, pr.head_dim);
-  // Where the kernel takes the row sum from its PV MMA (v_ones_rows: the two-level E4M3 path
-  // from d = 128) the recipe must ask for that sum, and only there.
-  const int d = int(pr.head_dim);
+// Where the kernel takes the row sum from its PV MMA (v_ones_rows: the two-level E4M3 path
+// from d = 128) the recipe must ask for that sum, and only there.
+void check_row_sum(const Recipe& r, const KernelVariant& v, int64_t head_dim) {
+  const int d = int(head_dim);
   const bool kernel_mma_sum = sm90::v_ones_rows(kernel_head_dim(d), v.path) > 0;
-  if (kernel_mma_sum != rules::row_sum_in_pv_mma(args.recipe, d)) {
+  if (kernel_mma_sum != rules::row_sum_in_pv_mma(r, d)) {
     if (!kernel_mma_sum)
       throw std::logic_error("sage: internal error: rules::row_sum_in_pv_mma holds for recipe '" +
-                             args.recipe.name + "' where the sm_90 kernel sums in the softmax");
-    throw Error("recipe.row_sum", "'" + args.recipe.name + "' (row_sum " +
-                                      to_string(args.recipe.row_sum) + ") at head_dim " +
+                             r.name + "' where the sm_90 kernel sums in the softmax");
+    throw Error("recipe.row_sum", "'" + r.name + "' (row_sum " +
+                                      to_string(r.row_sum) + ") at head_dim " +
                                       std::to_string(d) +
                                       ": the sm_90 kernel of this PV path takes the row sum from "
                                       "its PV MMA there; use row_sum pv_mma (the SageAttention2 "
                                       "presets' choice), or the CPU simulator for float_p");
   }
+}
+
+Checked check_gpu_call(const AttentionArgs& args) {
+  const Problem pr = check_args(args, DeviceKind::cuda);
+  const KernelVariant v = check_gpu_recipe(args.recipe);
+  check_variant_at_head_dim(args.recipe, v, pr.head_dim);
+  check_row_sum(args.recipe, v, pr.head_dim);
   check_alignment("q", args.q, 8);
   check_alignment("k", args.k, 8);
   check_alignment("v", args.v, 8);
@@ -493,9 +535,81 @@ quant::QuantizedKV attention_for_backward(const AttentionArgs& args, void* works
 }
 }  // namespace detail
 
-// Packed variable-length batches: no sm_90 kernel yet, so a named refusal (never a dense
-// call in disguise or a silent run on the CPU).
-void attention_varlen(const VarlenArgs&, void*, size_t, void*) { refuse_varlen_on_gpu(); }
+// ---- packed variable-length batches ----------------------------------------------------------
+
+namespace {
+
+struct CheckedVarlen {
+  VarlenGpuCall call;
+  KernelVariant variant;
+  size_t workspace;
+};
+
+// The dense GPU checks of the call's per-sequence views (recipe, head dim, alignment), then
+// what packing adds. Nothing here reads the offsets' contents (CUDA graphs, torch.compile).
+CheckedVarlen check_gpu_varlen(const VarlenArgs& args) {
+  if (!SAGE_VARLEN_KERNELS)
+    throw Error("cu_seqlens_q", "this build has no packed variable-length kernels (configured with "
+                                "SAGE_VARLEN_KERNELS=OFF); the CPU simulator runs them "
+                                "(reference::simulate_varlen)");
+  VarlenGpuCall call = check_varlen_args_gpu(args);
+  const Recipe& r = args.recipe;
+  const KernelVariant v = check_gpu_recipe(r);
+  check_variant_at_head_dim(r, v, call.problem.head_dim);
+  check_row_sum(r, v, call.problem.head_dim);
+  // On the 4-d per-sequence views, whose last stride is head_dim's 1 (check_alignment reads
+  // the first three).
+  check_alignment("q", call.dense.q, 8);
+  check_alignment("k", call.dense.k, 8);
+  check_alignment("v", call.dense.v, 8);
+  check_alignment("out", call.dense.out, 2);
+  // The pre-pass's grids take a sequence per blockIdx.z.
+  if (call.problem.batch > 65535)
+    throw Error("cu_seqlens_q", "at most 65535 sequences per call on the GPU (got " +
+                                    std::to_string(call.problem.batch) + ")");
+  const WorkspaceLayout w = workspace_layout(call.problem, v.path);
+  // The kernels address the workspace's K rows and the TMA maps' rows in 32 bits.
+  if (uint64_t(w.heads) * uint64_t(w.n_pad) >= (uint64_t(1) << 31))
+    throw Error("max_seqlen_k", "batch x heads_kv x max_seqlen_k (padded to 128) must stay below "
+                                "2^31 rows of the per-sequence workspace (got " +
+                                    std::to_string(uint64_t(w.heads) * uint64_t(w.n_pad)) + ")");
+  return {call, v, w.total};
+}
+
+}  // namespace
+
+size_t varlen_workspace_bytes(const VarlenArgs& args) { return check_gpu_varlen(args).workspace; }
+
+size_t varlen_workspace_bytes(int64_t batch, int64_t heads_kv, int64_t max_seqlen_k,
+                              int64_t total_k, int64_t head_dim, const Recipe& recipe) {
+  const struct {
+    const char* name;
+    int64_t value;
+  } dims[] = {{"batch", batch}, {"heads_kv", heads_kv}, {"max_seqlen_k", max_seqlen_k},
+              {"total_k", total_k}, {"head_dim", head_dim}};
+  for (const auto& d : dims)
+    if (d.value < 0) throw Error(d.name, "must be >= 0 (got " + std::to_string(d.value) + ")");
+  validate_recipe(recipe);
+  const KernelVariant v = check_gpu_recipe(recipe);
+  Problem pr;
+  pr.batch = batch, pr.heads_kv = heads_kv, pr.heads_q = heads_kv;
+  pr.n_kv = std::min(max_seqlen_k, total_k);  // as check_varlen_args_gpu
+  pr.head_dim = head_dim;
+  return workspace_layout(pr, v.path).total;
+}
+
+void attention_varlen(const VarlenArgs& args, void* workspace, size_t workspace_size, void* stream) {
+  const CheckedVarlen c = check_gpu_varlen(args);
+  check_workspace(workspace, workspace_size, c.workspace);
+  const Problem& pr = c.call.problem;
+  if (pr.batch == 0 || pr.heads_q == 0 || pr.n_q == 0) return;
+  auto* ws = static_cast<uint8_t*>(workspace);
+  auto* s = static_cast<cudaStream_t>(stream);
+  const VarlenOffsets offsets{static_cast<const int*>(args.cu_seqlens_q.data),
+                              static_cast<const int*>(args.cu_seqlens_k.data)};
+  run_step(Step::quantize_kv, c.call.dense, pr, c.variant, ws, s, nullptr, &offsets);
+  run_step(Step::attention, c.call.dense, pr, c.variant, ws, s, nullptr, &offsets);
+}
 
 bool gpu_supports(const Recipe& recipe) {
   KernelVariant v{};

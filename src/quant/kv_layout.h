@@ -87,6 +87,14 @@ struct KVQuantParams {
   // range pass, q_channel_range.cuh); null when the recipe does not balance.
   const float* q_amax;
   QuantizedKV out;
+  // Packed variable-length batches (sage/varlen.h): int32 [batch + 1] offsets in device
+  // memory, or null for a dense batch. Batch entry b is then sequence b, keys
+  // cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1 of the packed k and v (k_stride_b and
+  // v_stride_b are 0); n_kv is max_seqlen_k and n_pad its whole tiles, so each sequence owns a
+  // dense batch entry of the workspace and no K/V tile straddles two sequences. Every
+  // statistic (K's mean, V's scales and mean, the balance's ranges) is the sequence's own
+  // (sequence_params, kv_prepass.cu). Last, so that no field moves.
+  const int* cu_seqlens_k;
 };
 
 }  // namespace sage::quant

@@ -137,13 +137,38 @@ __device__ __forceinline__ void combine_cta_stats(const ChannelStats<T>& st, int
   __syncthreads();
 }
 
+// A packed variable-length batch's entry b as the dense pre-pass sees it (KVQuantParams::
+// cu_seqlens_k): k and v at the sequence's first key, n_kv its length and the K statistics'
+// samples of that length, so that every pass below reads, measures and pads that sequence
+// only. The length is clamped to [0, max_seqlen_k] (p.n_kv): offsets that break the call's
+// contract cannot index past the sequence's workspace entry. Dense batches: p unchanged.
+template <class T>
+__device__ __forceinline__ KVQuantParams sequence_params(const KVQuantParams& p, int b) {
+  if (p.cu_seqlens_k == nullptr) return p;
+  KVQuantParams s = p;
+  const int first = p.cu_seqlens_k[b];
+  const int n = min(max(p.cu_seqlens_k[b + 1] - first, 0), p.n_kv);
+  s.k = static_cast<const T*>(p.k) + int64_t(first) * p.k_stride_n;
+  s.v = static_cast<const T*>(p.v) + int64_t(first) * p.v_stride_n;
+  s.n_kv = n;
+  s.k_mean_samples = int(rules::k_mean_samples(n, p.k_mean_stride));
+  return s;
+}
+
+// Packed batches only: a K/V tile wholly past its sequence's keys is never read by the
+// attention kernel (its items visit the sequence's tiles only), so its CTA does nothing.
+__device__ __forceinline__ bool past_sequence(const KVQuantParams& p, int tile) {
+  return p.cu_seqlens_k != nullptr && tile * kKVTile >= p.n_kv;
+}
+
 // Four CTAs per SM: at d = 128, N = 16K the grid (8 CTAs for each of 64 heads) is one wave.
 // Ctas (stats_ctas) CTAs per cluster, a compile-time size: as a launch attribute with a
 // run-time loop bound it slowed the pre-pass (v30, docs/history/README.md).
 template <int D, class T, int Ctas>
 __global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
-    kv_stats_kernel(const KVQuantParams p) {
+    kv_stats_kernel(const KVQuantParams p_in) {
   namespace cg = cooperative_groups;
+  const KVQuantParams p = sequence_params<T>(p_in, blockIdx.z);
   constexpr int kLanesPerRow = D / 8;
   constexpr int kRowsPerIter = kThreads / kLanesPerRow;
   // The quantize kernel may launch once every statistics CTA has started: its CTAs load
@@ -214,8 +239,11 @@ __global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
   float kamax = 0.f, vamax = 0.f;
   bool balance_moves = false;  // this thread's channel has s_c != 1
   if (c < D) {
-    const float km = p.smooth_k ? sum[0] / p.k_mean_samples : 0.f;
-    const float vm = p.smooth_v ? sum[1] / p.n_kv : 0.f;
+    // A packed batch's sequence without keys: no key is ever read (its items visit no tile),
+    // so its statistics are zeros rather than 0 / 0 and the extremes' +-FLT_MAX.
+    if (p.n_kv == 0) sum[0] = sum[1] = mx[0] = mx[1] = mn[0] = mn[1] = 0.f;
+    const float km = p.smooth_k && p.n_kv > 0 ? sum[0] / p.k_mean_samples : 0.f;
+    const float vm = p.smooth_v && p.n_kv > 0 ? sum[1] / p.n_kv : 0.f;
     // Rounding is monotonic, so the extreme of |x - mean| is reached at the channel's max
     // or min: the same value a pass over every token would find. (K's over its sampled keys
     // only: kamax serves per_tensor K scales, which have no sm_90 kernel, and the balance,
@@ -626,11 +654,13 @@ __device__ __forceinline__ void quantize_v_tile(const KVQuantParams& p, int tile
 // (four CTAs), ~250 in 80 (three).
 template <int D, class T, bool kFull, bool kBalance>
 __global__ void __launch_bounds__(kThreads, D == 64 && !kBalance ? 6 : D > 128 ? 2 : 4)
-    kv_quantize_kernel(const KVQuantParams p) {
+    kv_quantize_kernel(const KVQuantParams p_in) {
   // The transposed V tile: dynamic, sized by the launch for the path's element size, so that
   // 8-bit V does not pay fp16's shared memory in occupancy.
   extern __shared__ __align__(16) uint8_t s_vt[];
   const int tile = blockIdx.x / 2, h = blockIdx.y, b = blockIdx.z;
+  const KVQuantParams p = sequence_params<T>(p_in, b);
+  if (past_sequence(p, tile)) return;
   if (blockIdx.x % 2 == 0)
     quantize_k_tile<D, T, kFull, kBalance>(p, tile, h, b);
   else if (p.v_format == VFormat::fp16)
@@ -694,9 +724,11 @@ __global__ void __launch_bounds__(kThreads) kv_copy_prequantized_kernel(const KV
 // A pass of its own, between the statistics (V' needs V's mean) and the quantize pass: inside
 // kv_quantize_kernel the reduction made its other paths spill under their launch bounds.
 template <int D, class T>
-__global__ void __launch_bounds__(kThreads) v_block_amax_kernel(const KVQuantParams p) {
+__global__ void __launch_bounds__(kThreads) v_block_amax_kernel(const KVQuantParams p_in) {
   __shared__ float s_warp[kThreads / 32];
   const int tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const KVQuantParams p = sequence_params<T>(p_in, b);
+  if (past_sequence(p, tile)) return;
   const int64_t head = (int64_t)b * p.heads_kv + h;
   const T* vb = static_cast<const T*>(p.v) + b * p.v_stride_b + h * p.v_stride_h;
   const float* vmean = p.out.v_mean + head * D;
@@ -737,7 +769,10 @@ void launch_kv_prepass(const KVQuantParams& p, cudaStream_t stream) {
   // Set here, not in the kernel: a division in every CTA before its first load slowed the
   // pre-pass (v29, docs/history/README.md).
   q.k_mean_samples = int(rules::k_mean_samples(p.n_kv, p.k_mean_stride));
-  const int ctas = stats_ctas(p.n_kv);
+  // A packed batch always takes the full cluster: its size decides how a head's rows are split
+  // and summed, and it must not follow max_seqlen_k (the longest neighbour), or a sequence's
+  // statistics, hence its output bits, would depend on what it is packed with.
+  const int ctas = p.cu_seqlens_k != nullptr ? kStatsCtas : stats_ctas(p.n_kv);
   q.stats_k_ctas = stats_k_ctas(p.k_mean_stride, ctas);
   const dim3 stats_grid(ctas, p.heads_kv, p.batch);  // one cluster per head
   if (ctas == kStatsCtas)
@@ -761,7 +796,8 @@ void launch_kv_prepass(const KVQuantParams& p, cudaStream_t stream) {
   pdl.val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = &pdl;
   cfg.numAttrs = 1;
-  const bool full_tiles = p.n_kv % kKVTile == 0, balance = p.q_amax != nullptr;
+  // A packed batch's sequences end anywhere: never the kernel without padding tests.
+  const bool full_tiles = p.n_kv % kKVTile == 0 && p.cu_seqlens_k == nullptr, balance = p.q_amax != nullptr;
   auto kernel = full_tiles ? (balance ? kv_quantize_kernel<D, T, true, true> : kv_quantize_kernel<D, T, true, false>)
                            : (balance ? kv_quantize_kernel<D, T, false, true> : kv_quantize_kernel<D, T, false, false>);
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, q);

@@ -34,9 +34,18 @@ __global__ void __launch_bounds__(kThreads) q_channel_range_kernel(const QRangeP
   constexpr int kRowsPerIter = kThreads / kLanesPerRow;
   const int h = blockIdx.y, b = blockIdx.z;
   const int group = p.heads_q / p.heads_kv;
-  const int rows = group * p.samples;  // the group's query heads' samples, head after head
+  // A packed batch's sequence: its first token and its samples (its length clamped to
+  // [0, max_seqlen_q], as the other passes do).
+  int samples = p.samples;
+  int64_t first = 0;
+  if (p.cu_seqlens_q != nullptr) {
+    first = p.cu_seqlens_q[b];
+    const int n = min(max(p.cu_seqlens_q[b + 1] - int(first), 0), p.n_q);
+    samples = int(rules::k_mean_samples(n, p.stride));
+  }
+  const int rows = group * samples;  // the group's query heads' samples, head after head
   const int lane_c = threadIdx.x % kLanesPerRow;
-  const T* base = static_cast<const T*>(p.q) + b * p.q_stride_b + lane_c * 8;
+  const T* base = static_cast<const T*>(p.q) + b * p.q_stride_b + first * p.q_stride_n + lane_c * 8;
   Pair<T> m[4];
   const uint32_t zero = 0u;
 #pragma unroll
@@ -48,7 +57,7 @@ __global__ void __launch_bounds__(kThreads) q_channel_range_kernel(const QRangeP
     for (int u = 0; u < kUnroll; ++u) {
       const int row = r + u * step;
       if (row < rows && lane_c * 8 < p.head_dim) {
-        const int hq = h * group + row / p.samples, t = (row % p.samples) * p.stride;
+        const int hq = h * group + row / samples, t = (row % samples) * p.stride;
         raw[u] = *reinterpret_cast<const uint4*>(base + hq * p.q_stride_h + int64_t(t) * p.q_stride_n);
       }
     }

@@ -23,6 +23,10 @@ struct QRangeParams {
   int stride;  // the tokens read: 0, stride, 2 stride, ... of each head (recipe.k_mean_stride)
   int samples;  // how many that is per head (set by the launch)
   float* q_amax;  // [B, Hkv, D] (D: kv_layout_head_dim): written here (zeroed first by the launch)
+  // Packed variable-length batches: int32 [batch + 1] query offsets in device memory (null
+  // for a dense batch). Entry b is then sequence b, tokens cu_seqlens_q[b] .. [b + 1] - 1 of
+  // the packed q (q_stride_b 0, n_q max_seqlen_q): its ranges are its own tokens'.
+  const int* cu_seqlens_q;
 };
 
 template <int D, class T>

@@ -384,17 +384,79 @@ TEST_F(VarlenArgsCheck, TensorsAndOptions) {
   expect_error(a, "recipe.inputs", "floating inputs only");
 }
 
-TEST(VarlenGpu, RefusedByName) {
+// The GPU entry point takes the offsets in device memory: host offsets are refused by name
+// (the CPU references are the host path). A build without CUDA says so first.
+TEST(VarlenGpu, HostOffsetsAreRefusedByName) {
   const Heads h;
   Packed p({make_sequence(5, 7, 1, h)}, h);
   try {
     attention_varlen(p.args(), nullptr, 0, nullptr);
-    FAIL() << "the GPU ran a packed batch it has no kernel for";
+    FAIL() << "the GPU path took host offsets";
   } catch (const Error& e) {
+#ifdef SAGE_WITH_CUDA
     EXPECT_EQ(e.argument(), "cu_seqlens_q");
-    EXPECT_NE(std::string(e.what()).find("no sm_90 kernel yet"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("device memory"), std::string::npos) << e.what();
+#else
+    EXPECT_EQ(e.argument(), "device");
+#endif
+  }
+  try {
+    varlen_workspace_bytes(p.args());
+    FAIL() << "varlen_workspace_bytes took host offsets";
+  } catch (const Error& e) {
+#ifdef SAGE_WITH_CUDA
+    EXPECT_EQ(e.argument(), "cu_seqlens_q");
+#else
+    EXPECT_EQ(e.argument(), "device");
+#endif
   }
 }
+
+#ifdef SAGE_WITH_CUDA
+// The GPU path's checks need no device and no read of the offsets: views that claim device
+// memory (never dereferenced here) are enough to reach each named refusal.
+TEST(VarlenGpu, DeviceArgumentChecksNameTheArgument) {
+  const Heads h;
+  Packed p({make_sequence(5, 7, 1, h), make_sequence(3, 9, 2, h)}, h);
+  auto on_gpu = [&](VarlenArgs a) {
+    for (TensorView* t : {&a.q, &a.k, &a.v, &a.out, &a.lse, &a.cu_seqlens_q, &a.cu_seqlens_k})
+      t->device = Device::cuda(0);
+    a.out.dtype = DType::f16;  // the GPU writes q's dtype (the float buffer is never touched)
+    return a;
+  };
+  auto expect_error = [](const VarlenArgs& a, const char* arg, const char* part) {
+    try {
+      varlen_workspace_bytes(a);
+      ADD_FAILURE() << "accepted; expected an error naming " << arg;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), arg) << e.what();
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  VarlenArgs a = on_gpu(p.args());
+  a.max_seqlen_q = -1;
+  expect_error(a, "max_seqlen_q", ">= 0");
+  a = on_gpu(p.args());
+  a.cu_seqlens_k.shape[0] = 2;
+  expect_error(a, "cu_seqlens_k", "length");
+  a = on_gpu(p.args());
+  a.cu_seqlens_q.strides[0] = 2;
+  expect_error(a, "cu_seqlens_q", "contiguous");
+  a = on_gpu(p.args());
+  a.cu_seqlens_k.device = Device::cpu();
+  expect_error(a, "cu_seqlens_k", "device memory");
+  a = on_gpu(p.args("int_flash"));
+  expect_error(a, "recipe.inputs", "floating inputs only");
+  // Host-known sizes only: the workspace of batch entries of max_seqlen_k (cut to total_k).
+  a = on_gpu(p.args());
+  const size_t from_call = varlen_workspace_bytes(a);
+  EXPECT_EQ(from_call, varlen_workspace_bytes(2, h.kv, a.max_seqlen_k, a.k.shape[0], a.q.shape[2],
+                                              a.recipe));
+  a.max_seqlen_k = 1 << 20;  // an upper bound far past the tokens costs nothing more
+  EXPECT_EQ(varlen_workspace_bytes(a), varlen_workspace_bytes(2, h.kv, a.k.shape[0], a.k.shape[0],
+                                                               a.q.shape[2], a.recipe));
+}
+#endif
 
 }  // namespace
 }  // namespace sage

@@ -1,5 +1,6 @@
 """Packed variable-length batches: simulate_varlen / exact_varlen on the CPU (NumPy, and CPU
-torch tensors where torch is installed), and sageattn_varlen's named refusal."""
+torch tensors where torch is installed), and sageattn_varlen's refusal of host arrays (its GPU
+tests are test_varlen_gpu.py)."""
 
 import pytest
 
@@ -115,10 +116,12 @@ def test_argument_errors_name_the_argument():
     check("recipe.inputs", sim, q, k, v, cu_q, cu_k, max_q, max_k, recipe="int_flash")
 
 
-def test_sageattn_varlen_refuses_by_name():
+def test_sageattn_varlen_refuses_host_arrays_by_name():
+    # The GPU front end takes CUDA tensors; host arrays are the simulator's.
     q, k, v, cu_q, cu_k, max_q, max_k = pack([make_sequence(5, 7, 1)])
-    message = check("cu_seqlens_q", sagekit.sageattn_varlen, q, k, v, cu_q, cu_k, max_q, max_k)
-    assert "no sm_90 kernel yet" in message and "simulate_varlen" in message
+    message = check("q", sagekit.sageattn_varlen, q, k, v, cu_q, cu_k, max_q, max_k)
+    assert "CUDA tensors" in message and "simulate_varlen" in message
+    check("dropout_p", sagekit.sageattn_varlen, q, k, v, cu_q, cu_k, max_q, max_k, 0.1)
 
 
 @needs_torch

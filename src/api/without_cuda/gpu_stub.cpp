@@ -6,7 +6,6 @@
 #include "sage/backward.h"
 #include "sage/error.h"
 #include "sage/varlen.h"
-#include "api/varlen_gpu.h"
 
 namespace sage {
 namespace {
@@ -29,8 +28,11 @@ void quantize_kv(const AttentionArgs&, void*, size_t, void*) { no_cuda(); }
 
 void attention_from_quantized_kv(const AttentionArgs&, const void*, size_t, void*) { no_cuda(); }
 
-// Refused for its own reason first: even a CUDA build has no varlen kernel yet.
-void attention_varlen(const VarlenArgs&, void*, size_t, void*) { refuse_varlen_on_gpu(); }
+size_t varlen_workspace_bytes(const VarlenArgs&) { no_cuda(); }
+
+size_t varlen_workspace_bytes(int64_t, int64_t, int64_t, int64_t, int64_t, const Recipe&) { no_cuda(); }
+
+void attention_varlen(const VarlenArgs&, void*, size_t, void*) { no_cuda(); }
 
 bool gpu_supports(const Recipe&) { return false; }
 

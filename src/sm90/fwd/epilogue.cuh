@@ -120,7 +120,8 @@ __device__ __forceinline__ void run_epilogue(const AttentionParams& p, typename 
                                              const QOperand<K::D>& qop, int qbuf, bool q_staged) {
   constexpr int D = K::D;
   using T = typename K::T;
-  const UniformSeqLen seq{p};
+  const SeqLenOf<K::kVarlen> seq{p};
+  const int n_q = seq.n_q(item.b);
   // One reciprocal per row rather than an IEEE division per element (docs/numerics.md, GPU
   // vs simulator).
   float l[2], inv_l[2];
@@ -138,14 +139,14 @@ __device__ __forceinline__ void run_epilogue(const AttentionParams& p, typename 
                           p.smooth_v ? p.kv.v_mean + item.kv_head * L::kRowBytes : nullptr,
                           s.q[qbuf][item.cw] + 16 * item.warp * L::kSpan,
                           out_head + (int64_t)warp_row0 * p.o_stride_n, p.o_stride_n,
-                          seq.n_q(item.b) - warp_row0, p.head_dim, aligned16, item.lane);
+                          n_q - warp_row0, p.head_dim, aligned16, item.lane);
   // The buffer (Q codes and this warp's staging) goes back to the stage (the epilogue
   // ended with __syncwarp: every lane's staging reads are done).
   if (q_staged && item.lane == 0) mbar_arrive(&s.q_empty[qbuf]);
   if (p.lse != nullptr && item.t == 0) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      if (item.rows[r] >= seq.n_q(item.b)) continue;
+      if (item.rows[r] >= n_q) continue;
       // l sums P~ * p_max.
       const float lse = l[r] <= 0.f ? -INFINITY
                                     : (ml.softmax.m[r] + (log2f(l[r]) - log2f(p.p_max))) * 0.69314718055994531f +
@@ -158,7 +159,7 @@ __device__ __forceinline__ void run_epilogue(const AttentionParams& p, typename 
     if (p.lse2 != nullptr && item.t == 0) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        if (item.rows[r] >= seq.n_q(item.b)) continue;
+        if (item.rows[r] >= n_q) continue;
         const float l2 = l[r] <= 0.f ? -INFINITY : ml.softmax.m[r] + (log2f(l[r]) - log2f(p.p_max));
         p.lse2[((int64_t)item.b * p.heads_q + item.h) * p.n_q + item.rows[r]] = l2;
       }

@@ -35,8 +35,10 @@ namespace sage::sm90 {
 // compiler hoisted everything the prologue and epilogue derive from them (Q and output
 // addresses, swizzled offsets) out of the item loop, where they stayed live through the K/V
 // loop and spilled it at d = 128 (v11).
+// Packed batches (K::kVarlen): the item's sequence's lengths go into the mask first, which
+// the K/V tiles and the loop's masking read.
 template <class K>
-__device__ __forceinline__ ConsumerItem consumer_item(const AttentionParams& p, const Mask& mask,
+__device__ __forceinline__ ConsumerItem consumer_item(const AttentionParams& p, MaskOf<K::kVarlen>& mask,
                                                       int w, int group_size) {
   ConsumerItem c;
   int tid = threadIdx.x;
@@ -48,9 +50,14 @@ __device__ __forceinline__ ConsumerItem consumer_item(const AttentionParams& p, 
   const WorkItem item = work_item(p, w);
   c.h = item.h, c.b = item.b, c.hk = item.h / group_size;
   c.q0 = item.q_tile * K::kBlockQ;
+  if constexpr (K::kVarlen) {
+    const VarlenSeqLen seq{p};
+    mask.set_lengths(seq.n_q(c.b), seq.n_kv(c.b));
+  }
   const KvTiles tiles = mask.template kv_tiles<K::kBlockQ, K::kLeftWindow>(c.q0);
   c.kv_begin = tiles.begin, c.kv_end = tiles.end;
   c.wg_row0 = c.q0 + 64 * c.cw;
+  if constexpr (K::kVarlen) mask.set_rows(c.wg_row0);
   c.rows[0] = c.wg_row0 + 16 * c.warp + c.g;
   c.rows[1] = c.wg_row0 + 16 * c.warp + c.g + 8;
   c.kv_head = UniformSeqLen{p}.kv_head(c.b, c.hk);
@@ -79,7 +86,7 @@ __device__ __forceinline__ void prefetch_item_scales(const AttentionParams& p, c
 template <class K>
 __device__ __forceinline__ const typename K::T* q_head_of(const AttentionParams& p, int b, int h) {
   using T = typename K::T;
-  const int64_t q_offset = UniformSeqLen{p}.q_offset(b, h);
+  const int64_t q_offset = SeqLenOf<K::kVarlen>{p}.q_offset(b, h);
   return p.q_scale ? reinterpret_cast<const T*>(static_cast<const int8_t*>(p.q) + q_offset)
                    : static_cast<const T*>(p.q) + q_offset;
 }
@@ -102,7 +109,7 @@ __device__ __forceinline__ void prefetch_next_q(const AttentionParams& p, int w_
 template <class K>
 __device__ __forceinline__ void load_q(const AttentionParams& p, typename K::Storage& s,
                                        const ConsumerItem& c, QOperand<K::D>& qop, int item_index,
-                                       int qbuf, bool q_staged) {
+                                       int qbuf, bool q_staged, int n_q) {
   constexpr int D = K::D;
   if (q_staged && item_index > 0) {
     // Not with the LSE under K smoothing (the dispatch's rule): q . mean(K) needs raw Q.
@@ -117,8 +124,8 @@ __device__ __forceinline__ void load_q(const AttentionParams& p, typename K::Sto
     const float* balance_head = balance_of_head<D>(p, c.kv_head);
     qop.load(p, q_head_of<K>(p, c.b, c.h), q_scale_head,
              p.kv.k_mean + c.kv_head * QKLayout<D>::kRowBytes, balance_head,
-             c.rows, min(K::kBlockQ, p.n_q - c.q0), c.lane, 4 * c.cw + c.warp, s.reduce,
-             &s.q_sum[0][0], s.q_mean[c.cw], s.q[qbuf][c.cw], p.lse != nullptr && p.smooth_k);
+             c.rows, min(K::kBlockQ, n_q - c.q0), c.lane, 4 * c.cw + c.warp, s.reduce,
+             &s.q_sum[0][0], s.q_mean[c.cw], s.q[qbuf][c.cw], p.lse != nullptr && p.smooth_k, n_q);
   }
 }
 
@@ -127,7 +134,7 @@ template <class K>
 __device__ __forceinline__ void run_consumers(const AttentionParams& p, typename K::Storage& s,
                                               CtaSlots mine, int group_size) {
   setmaxnreg_inc<K::kTraits.consumer_regs>();
-  const Mask mask(p);
+  MaskOf<K::kVarlen> mask(p);
   Mainloop<K> mainloop(p, s, mask);
   // s.reduce and s.q_sum (per-block Q scales, Q smoothing) are shared by all warpgroups: one
   // that finished an item must not overwrite them before the other has read the last item's.
@@ -136,12 +143,21 @@ __device__ __forceinline__ void run_consumers(const AttentionParams& p, typename
   int item_index = 0;  // of this CTA's items: the Q buffer and the stage's barrier phases
   for (int w = mine.begin; w < mine.end; w += slot_step(p.work), ++item_index) {
     const ConsumerItem c = consumer_item<K>(p, mask, w, group_size);
+    // Packed batches: an item past its sequence's last Q row has nothing to do (the producer
+    // loads nothing for it). Every consumer warpgroup skips it, so barriers stay matched.
+    if constexpr (K::kVarlen) {
+      if (c.q0 >= mask.n_q()) continue;
+    }
     if (w > mine.begin && q_stats_shared) named_barrier_sync(NamedBarrier::q_stats, 128 * K::kConsumers);
     prefetch_item_scales<K>(p, c);
     QOperand<K::D> qop;
     const int qbuf = K::kQStage ? item_index & 1 : 0;
-    load_q<K>(p, s, c, qop, item_index, qbuf, q_staged);
-    if (const int w_next = w + slot_step(p.work); !q_staged && w_next < mine.end) prefetch_next_q<K>(p, w_next);
+    if constexpr (K::kVarlen) {
+      load_q<K>(p, s, c, qop, item_index, qbuf, q_staged, mask.n_q());
+    } else {
+      load_q<K>(p, s, c, qop, item_index, qbuf, q_staged, p.n_q);
+      if (const int w_next = w + slot_step(p.work); !q_staged && w_next < mine.end) prefetch_next_q<K>(p, w_next);
+    }
     mainloop.run(c, qop, qbuf);
     run_epilogue<K>(p, s, mainloop, c, qop, qbuf, q_staged);
   }

@@ -4,6 +4,7 @@
 
 #include "sm90/fwd/k_scales.cuh"
 #include "sm90/fwd/kernel_traits.h"
+#include "sm90/fwd/mask.cuh"
 #include "sm90/fwd/pv_operand.cuh"
 #include "sm90/fwd/shared_storage.cuh"
 #include "sm90/fwd/softmax.cuh"
@@ -19,8 +20,12 @@ namespace sage::sm90 {
 // tile 0 and mask their first tiles from below; a second one because in the kernel without it
 // the run-time first tile and the second limit made ptxas spill (d = 64, and d = 128 with Q
 // smoothing or per-token K scales), where every other launch keeps the code it had.
+// Varlen: the instantiation for packed variable-length batches (seqlen.cuh, VarlenSeqLen):
+// each item's lengths and offsets come from its sequence's cu_seqlens and items past their
+// sequence's end exit at once; the dense kernels keep their code. No Q stage (its TMA map is
+// over a dense [B, Hq, n_q, D] Q).
 template <int D_, class T_, PVPath Path_, KScales KS_, bool SmoothQ_, bool WithQStage_,
-          bool LeftWindow_ = false>
+          bool LeftWindow_ = false, bool Varlen_ = false>
 struct KernelConfig {
   static constexpr int D = D_;
   using T = T_;
@@ -32,6 +37,8 @@ struct KernelConfig {
   static_assert(variant_has_kernel(D, kPath), "no kernel for this PV path at this head dim");
   static constexpr bool kLeftWindow = LeftWindow_;
   static_assert(!(kQStage && kLeftWindow), "the left-window instantiation has no Q stage");
+  static constexpr bool kVarlen = Varlen_;
+  static_assert(!(kQStage && kVarlen), "the packed-batch instantiation has no Q stage");
 
   static constexpr KernelTraits kTraits = kernel_traits(D, Variant{kPath, kKScales, kSmoothQ});
   static constexpr int kBlockQ = kTraits.block_q;
@@ -50,6 +57,9 @@ struct KernelConfig {
   // The opt-in maximum of dynamic shared memory per block on sm_90 (227 KiB), with the launch's
   // 1024 bytes of alignment slack.
   static_assert(sizeof(Storage) + 1024 <= 232448, "shared memory");
+  // The packed-batch kernels also hold mask.cuh's static per-warp slots.
+  static_assert(!Varlen_ || (sizeof(Storage) + 1024 + sizeof(varlen_mask_slot) <= 232448 &&
+                             kThreads <= 32 * kMaxWarpsPerCta), "shared memory (packed batches)");
 
   // The integer row max (softmax.cuh, update_from_int) for per-tile K scales without Q
   // smoothing: the simulator follows rules::integer_row_max, which dispatch checks against this.

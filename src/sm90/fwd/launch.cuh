@@ -41,4 +41,14 @@ void launch_attention(const AttentionParams& p, const AttentionMaps& maps, cudaS
   launch_attention_kernel<KernelConfig<D, T, Path, KS, SmoothQ, false>>(p, maps, stream);
 }
 
+// Packed variable-length batches (p.cu_seqlens_q/_k set): the kVarlen instantiations, with and
+// without a left window bound, never the Q stage. Generated in files of their own
+// (instantiate.cmake, *_varlen.cu), so that a build without them compiles none.
+template <int D, class T, PVPath Path, KScales KS, bool SmoothQ>
+void launch_attention_varlen(const AttentionParams& p, const AttentionMaps& maps, cudaStream_t stream) {
+  if (p.window_left >= 0)
+    return launch_attention_kernel<KernelConfig<D, T, Path, KS, SmoothQ, false, true, true>>(p, maps, stream);
+  launch_attention_kernel<KernelConfig<D, T, Path, KS, SmoothQ, false, false, true>>(p, maps, stream);
+}
+
 }  // namespace sage::sm90

@@ -53,13 +53,14 @@ struct Mainloop {
   // What one item's tiles read.
   const AttentionParams& p;
   Storage& s;
-  const Mask& mask;
+  using ItemMask = MaskOf<K::kVarlen>;
+  const ItemMask& mask;
   const ConsumerItem* item = nullptr;
   const float* k_scale = nullptr;  // the head's (KScaleOperand)
   float q_scale[2] = {0.f, 0.f};   // this thread's two Q rows' (QOperand::scale)
   uint32_t q_desc = 0, k_desc0 = 0, v_desc0 = 0;
 
-  __device__ __forceinline__ Mainloop(const AttentionParams& p_, Storage& s_, const Mask& mask_)
+  __device__ __forceinline__ Mainloop(const AttentionParams& p_, Storage& s_, const ItemMask& mask_)
       : p(p_), s(s_), mask(mask_) {}
 
   // The item's tiles into o and softmax. qbuf: the Q buffer this item's codes are in.

@@ -69,6 +69,14 @@ struct AttentionParams {
   // base-2 domain of the smoothed, quantized scores (docs/numerics.md, "What the forward
   // saves"), dense [B, Hq, n_q]; -inf for a row without keys. Last, so no field moves.
   float* lse2;
+  // Packed variable-length batches (sage/varlen.h; the kernel instantiation with kVarlen):
+  // int32 [batch + 1] offsets in device memory, null for a dense batch. Batch entry b is then
+  // sequence b: Q rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of the packed q and out
+  // (q_stride_b, o_stride_b and lse_stride_b are 0), its keys the workspace's dense entry b
+  // (the pre-pass's layout, n_pad from max_seqlen_k); n_q and n_kv are max_seqlen_q and
+  // max_seqlen_k (seqlen.cuh, VarlenSeqLen). Last, so no field moves.
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
 };
 
 }  // namespace sage::sm90

@@ -27,14 +27,20 @@ struct Producer {
     constexpr uint32_t kStageBytes = kBlockKV * (L::kRowBytes + K::PV::kVBytes * D);
     // A V tile row is kBlockKV * VBytes bytes: one 128-byte swizzle span per TMA box.
     constexpr int kVBoxes = K::PV::kVBytes;
-    const UniformSeqLen seq{p};
+    const SeqLenOf<K::kVarlen> seq{p};
     int fill = 0;  // K/V tiles put into the ring so far, over all items
     for (int w = mine.begin; w < mine.end; w += slot_step(p.work)) {
       const WorkItem item = work_item(p, w);
       const int hk = item.h / group_size;
       const int k_row0 = seq.k_row0(item.b, hk);
       const int v_row0 = seq.template v_row0<L::kRowBytes>(item.b, hk);
-      const Mask mask(p);
+      MaskOf<K::kVarlen> mask(p);
+      if constexpr (K::kVarlen) {
+        // An item past its sequence's last Q row loads nothing (the consumers skip it too).
+        const int n_q = seq.n_q(item.b);
+        if (item.q_tile * K::kBlockQ >= n_q) continue;
+        mask.template set_lengths<false>(n_q, seq.n_kv(item.b));
+      }
       // Only the tiles the item's rows see: a window's others are never loaded.
       const KvTiles tiles = mask.template kv_tiles<K::kBlockQ, K::kLeftWindow>(item.q_tile * K::kBlockQ);
       for (int it = tiles.begin; it < tiles.end; ++it, ++fill) {

@@ -43,7 +43,7 @@ struct QOperand {
   __device__ void load(const AttentionParams& p, const T* q_head, const float* q_scale_head,
                        const float* k_mean_head, const float* balance_head, const int (&rows)[2],
                        int tile_rows, int lane, int consumer_warp, float* s_red, double* s_sum,
-                       float* s_mean, int8_t* s_q, bool want_dot_kmean) {
+                       float* s_mean, int8_t* s_q, bool want_dot_kmean, int n_q) {
     const int t = frag::quad_of_lane(lane);
     const bool prequantized = q_scale_head != nullptr;
     float x[kChunks][2][2][4];  // [k slice][half][row][4 channels]
@@ -73,7 +73,7 @@ struct QOperand {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             char4 c = make_char4(0, 0, 0, 0);
-            if (rows[r] < p.n_q && col_in[kc][half])
+            if (rows[r] < n_q && col_in[kc][half])
               c = *reinterpret_cast<const char4*>(q8 + (int64_t)rows[r] * p.q_stride_n + 32 * kc +
                                                   16 * half + 4 * t);
             x[kc][half][r][0] = c.x, x[kc][half][r][1] = c.y, x[kc][half][r][2] = c.z,
@@ -84,11 +84,11 @@ struct QOperand {
       // valid address) and is zeroed after. (Predicated per row, ptxas put the last load
       // behind a branch after the other loads' uses: a second L2 round trip per item; v16,
       // docs/history/README.md.)
-      const bool valid[2] = {rows[0] < p.n_q, rows[1] < p.n_q};
+      const bool valid[2] = {rows[0] < n_q, rows[1] < n_q};
       const T* row_ptr[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r)
-        row_ptr[r] = q_head + (int64_t)min(rows[r], p.n_q - 1) * p.q_stride_n;
+        row_ptr[r] = q_head + (int64_t)min(rows[r], n_q - 1) * p.q_stride_n;
       uint2 raw[kChunks][2][2];
 #pragma unroll
       for (int kc = 0; kc < kChunks; ++kc)
@@ -130,7 +130,7 @@ struct QOperand {
     // qk_channel_balance: after q . mean(K), which takes the unbalanced Q (the simulator's
     // order), and before Q smoothing.
     if (balance_head != nullptr) divide_by_balance(x, balance_head, t);
-    if (p.smooth_q) subtract_tile_mean(x, rows, p.n_q, tile_rows, lane, consumer_warp, s_sum, s_mean);
+    if (p.smooth_q) subtract_tile_mean(x, rows, n_q, tile_rows, lane, consumer_warp, s_sum, s_mean);
 
 #pragma unroll
     for (int kc = 0; kc < kChunks; ++kc)
@@ -170,7 +170,7 @@ struct QOperand {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if (prequantized) {  // the codes go in as they are, with the caller's scales
-        scale[r] = rows[r] < p.n_q ? q_scale_head[(int64_t)rows[r] * p.qs_stride_n] : 0.f;
+        scale[r] = rows[r] < n_q ? q_scale_head[(int64_t)rows[r] * p.qs_stride_n] : 0.f;
         inv[r] = 1.f;
       } else {
         scale[r] = rules::symmetric_scale(amax[r], q_max);
