@@ -18,6 +18,7 @@
 #include "sage/error.h"
 #include "sm90/bwd/kernel_traits.h"
 #include "sm90/bwd/params.h"
+#include "sm90/bwd/tma_maps.h"
 
 namespace sage {
 namespace sm90::bwd {
@@ -58,7 +59,7 @@ int64_t kv_pad(int64_t n_kv) {
 }
 
 struct BackwardLayout {
-  size_t fwd, out, lse2, delta, q8, q_scale, do8, do_scale, dq_acc, dk_acc, dv_acc, total;
+  size_t fwd, out, lse2, l2p, delta, q8, q8t, q_scale, do8t, do_scale, dq_acc, dk_acc, dv_acc, total;
 };
 
 // A dense view of q's shape and dtype at `data`, in the call's layout: the forward's output
@@ -103,6 +104,9 @@ Checked check_gpu_backward(const BackwardArgs& a) {
   if (!built)
     throw Error("q", "head_dim " + std::to_string(pr.head_dim) + " has no kernel in this build (built: " +
                          SAGE_HEAD_DIMS_STRING + ")");
+  if (!sm90::bwd::backward_has_kernel(int(pr.head_dim)))
+    throw Error("q", "head_dim " + std::to_string(pr.head_dim) +
+                         " has no sm_90 backward (the backward kernel exists at head_dim 64 and 128)");
   // The kernels read dout in 16-byte pieces (the forward's rule for q, k, v).
   bool aligned = reinterpret_cast<uintptr_t>(a.dout.data) % 16 == 0;
   for (int d = 0; d < 3; ++d) aligned = aligned && a.dout.strides[d] % 8 == 0;
@@ -124,10 +128,12 @@ Checked check_gpu_backward(const BackwardArgs& a) {
   w.fwd = take(workspace_bytes(f));
   w.out = take(a.out.defined() ? 0 : bh * nq * d * dtype_size(a.q.dtype));
   w.lse2 = take(bh * nq * 4);
-  w.delta = take(bh * nq * 4);
+  w.l2p = take(bh * nqp * 4);
+  w.delta = take(bh * nqp * 4);
   w.q8 = take(bh * nqp * d);
+  w.q8t = take(bh * nqp * d);
   w.q_scale = take(bh * tiles * 4);
-  w.do8 = take(bh * nqp * d);
+  w.do8t = take(bh * nqp * d);
   w.do_scale = take(bh * tiles * 4);
   w.dq_acc = take(bh * nq * d * 4);
   w.dk_acc = take(kvh * nkv * d * 4);
@@ -146,7 +152,7 @@ Dims strides_of(const TensorView& t, Layout layout) {
 
 template <int D, class T>
 void run_backward(const sm90::bwd::BackwardParams& p, cudaStream_t s) {
-  sm90::bwd::launch_backward<D, T>(p, s);
+  if constexpr (sm90::bwd::backward_has_kernel(D)) sm90::bwd::launch_backward<D, T>(p, s);
 }
 
 }  // namespace
@@ -195,10 +201,12 @@ void attention_backward(const BackwardArgs& args, void* workspace, size_t worksp
   p.k8 = kv.k;
   p.k_scale = kv.k_scale;
   p.lse2 = lse2;
+  p.l2p = reinterpret_cast<float*>(ws + w.l2p);
   p.delta = reinterpret_cast<float*>(ws + w.delta);
   p.q8 = reinterpret_cast<int8_t*>(ws + w.q8);
+  p.q8t = reinterpret_cast<int8_t*>(ws + w.q8t);
   p.q_scale = reinterpret_cast<float*>(ws + w.q_scale);
-  p.do8 = reinterpret_cast<int8_t*>(ws + w.do8);
+  p.do8t = reinterpret_cast<int8_t*>(ws + w.do8t);
   p.do_scale = reinterpret_cast<float*>(ws + w.do_scale);
   p.dq_acc = reinterpret_cast<float*>(ws + w.dq_acc);
   p.dk_acc = reinterpret_cast<float*>(ws + w.dk_acc);
@@ -209,6 +217,11 @@ void attention_backward(const BackwardArgs& args, void* workspace, size_t worksp
   p.n_q_pad = int(q_pad(pr.n_q));
   p.fwd_block_q = tile_config(int(pr.head_dim)).block_q;
   p.causal = args.causal;
+  // The kernel reads V and dO with TMA through their strides (16-byte aligned rows, checked
+  // for dout above and by the forward's checks for v).
+  if (!sm90::bwd::view_tma_compatible(p.v, p.v_sb, p.v_sh, p.v_sn, p.batch, p.heads_kv, p.n_kv))
+    throw Error("v", "the GPU backward needs v's data pointer aligned to 16 bytes and strides[0..2] to be "
+                     "multiples of 8 elements");
   p.sm_scale = pr.sm_scale;
   p.sm_scale_log2 = rules::sm_scale_log2(pr.sm_scale);
   // The fp32 accumulators start at zero (dK and dV also where no query sees a key).
