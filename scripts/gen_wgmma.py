@@ -31,6 +31,7 @@ OPS = [
     # The SageBwd backward (src/sm90/bwd/): dQ's n = D / 2 halves at d = 64 (n = 32) and the
     # 16-bit dP^T = V dO^T with both operands in shared memory and an f32 accumulator.
     ("mma_s8_ss", 32, 32, "s32", "s8", "s8", "int32_t"),
+    ("mma_s8_rs", 32, 32, "s32", "s8", "s8", "int32_t"),
     ("mma_f16_f32acc_ss", 64, 16, "f32", "f16", "f16", "float"),
     ("mma_bf16_f32acc_ss", 64, 16, "f32", "bf16", "bf16", "float"),
 ]

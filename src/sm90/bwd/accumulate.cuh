@@ -22,24 +22,32 @@ namespace sage::sm90::bwd {
 template <int D>
 constexpr int kGradAcc = D / 2;
 
-// acc[n] (chunk n of 64 channels, 32 values each) += A * B(n), folded with scale[key row].
+// Channels per product chunk: the s32 product of a chunk (kChunk / 2 registers) lives beside
+// dV and dK (2 x D/2), P^T's and dS^T's codes; 32 at d = 128 (64 spilled dV and dK there).
+template <int D>
+constexpr int kChunk = D >= 128 ? 32 : 64;
+
+// acc[chunk n] += A * B(channels [kChunk n, kChunk (n + 1))), folded with scale[key row].
 template <int D, class Desc>
 __device__ __forceinline__ void product_fold(float (&acc)[kGradAcc<D>], uint32_t (&a)[2][4], Desc desc,
                                              const float (&scale)[2]) {
+  constexpr int N = kChunk<D>, kAcc = N / 2;
 #pragma unroll
-  for (int n = 0; n < D / 64; ++n) {
-    int32_t prod[32];
+  for (int n = 0; n < D / N; ++n) {
+    int32_t prod[kAcc];
     reg_fence(a);
     wgmma_fence();
-    mma_s8_rs<64, false>(prod, a[0], desc(n, 0));
-    mma_s8_rs<64, true>(prod, a[1], desc(n, 1));
+    mma_s8_rs<N, false>(prod, a[0], desc(n * N, 0));
+    mma_s8_rs<N, true>(prod, a[1], desc(n * N, 1));
     wgmma_commit();
     wgmma_wait<0>();
     reg_fence(prod);
     reg_fence(a);
+    // Accumulator index x of the chunk: channel 8 (x / 4) + 2t + (x & 1) of it, the same
+    // index kAcc n + x of dV / dK (whose layout is m64nD's: index 4j + e, channel 8j + ...).
 #pragma unroll
-    for (int x = 0; x < 32; ++x) {
-      float& y = acc[32 * n + x];
+    for (int x = 0; x < kAcc; ++x) {
+      float& y = acc[kAcc * n + x];
       y = __fmaf_rn(float(prod[x]), scale[(x % 4) / 2], y);
     }
   }
@@ -52,9 +60,9 @@ __device__ __forceinline__ void accumulate_dv_dk(const Smem<D>& s, int st, uint3
                                                  float (&dv)[kGradAcc<D>], float (&dk)[kGradAcc<D>]) {
   // s_P,key * s_dO (the contract's order), per key row g and g + 8.
   const float pv_scale[2] = {__fmul_rn(p_scale[0], do_scale), __fmul_rn(p_scale[1], do_scale)};
-  product_fold<D>(dv, pa, [&](int n, int ks) { return s.dot_desc(st, n, ks); }, pv_scale);
+  product_fold<D>(dv, pa, [&](int ch, int ks) { return s.dot_desc(st, ch, ks); }, pv_scale);
   const float dk_scale[2] = {ds_q_scale, ds_q_scale};
-  product_fold<D>(dk, dsa, [&](int n, int ks) { return s.qt_desc(st, n, ks); }, dk_scale);
+  product_fold<D>(dk, dsa, [&](int ch, int ks) { return s.qt_desc(st, ch, ks); }, dk_scale);
 }
 
 __device__ __forceinline__ void atomic_add2(float* at, float x, float y) {

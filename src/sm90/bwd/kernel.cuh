@@ -73,11 +73,13 @@ __device__ __forceinline__ void run_consumers(const BackwardParams& p, const Sme
     mbar_wait(s.full(st), (fill / kStages) & 1);
     int32_t sacc[kTileAcc];
     float pv[kTileAcc], dsv[kTileAcc];
-    issue_s_dp<D, T>(s, th.c, st, sacc, dsv);
-    recompute_p_ds<D>(s, th, st, i0, key0, p.n_q, p.n_kv, p.causal, mult, sacc, pv, dsv);
+    issue_s<D>(s, th.c, st, sacc);
+    recompute_p<D>(s, th, st, i0, key0, p.n_q, p.n_kv, p.causal, mult, sacc, pv);
+    issue_dp<D, T>(s, th.c, st, dsv);
     uint32_t pa[2][4], dsa[2][4];
     float p_scale[2];
     quantize_p(pv, pa, p_scale);
+    recompute_ds<D>(s, th, st, pv, dsv);
     const float ds_scale = quantize_ds<D>(s, th, fill & 1, dsv, dsa);
     accumulate_dv_dk<D>(s, st, pa, p_scale, do_scale, dsa, __fmul_rn(ds_scale, q_scale), dv, dk);
     // The stage's operands are read (S^T, dP^T, dV, dK waited for): one arrival per warp.

@@ -25,6 +25,23 @@
 
 namespace sage::sm90::bwd {
 
+// rules::symmetric_inverse(amax, 127) without a call: the IEEE division's slow path is a
+// subroutine, and a call inside the Q loop made ptxas spill the live dV and dK registers
+// around it. For amax in [2^-100, 2^100] (anything a P or dS tile holds in practice) the
+// sequence below (one Newton step on the approximate reciprocal, then the quotient's FMA
+// correction) is the correctly rounded 127 / amax, as the division's own fast path computes
+// it; outside, the division itself.
+__device__ __forceinline__ float inverse_127(float amax) {
+  if (!(amax > 0.f)) return 0.f;  // symmetric_inverse: 0 for an all-zero group (NaN: 0 too)
+  if (amax < 0x1p-100f || amax > 0x1p100f) return rules::symmetric_inverse(amax, float(rules::kInt8Max));
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(amax));
+  y = __fmaf_rn(__fmaf_rn(-amax, y, 1.f), y, y);
+  const float a = float(rules::kInt8Max);
+  const float q = __fmul_rn(a, y);
+  return __fmaf_rn(__fmaf_rn(-q, amax, a), y, q);
+}
+
 __device__ __forceinline__ uint32_t code_byte(float x, float inv) {
   return uint32_t(rules::round_clamp(__fmul_rn(x, inv), rules::kInt8Max)) & 0xffu;
 }
@@ -53,7 +70,7 @@ __device__ __forceinline__ void quantize_p(const float (&pv)[kTileAcc], uint32_t
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     pmax[r] = frag::quad_max(pmax[r]);
-    inv[r] = rules::symmetric_inverse(pmax[r], fq);
+    inv[r] = inverse_127(pmax[r]);
     p_scale[r] = rules::symmetric_scale(pmax[r], fq);
   }
   pack_a(pa, pv, inv);
@@ -78,7 +95,7 @@ __device__ __forceinline__ float quantize_ds(const Smem<D>& s, const ConsumerThr
   float all = red[0];
 #pragma unroll
   for (int w = 1; w < 4 * kConsumers; ++w) all = fmaxf(all, red[w]);
-  const float inv = rules::symmetric_inverse(all, fq);
+  const float inv = inverse_127(all);
   const float inv2[2] = {inv, inv};
   pack_a(dsa, ds, inv2);
   // The [row][key position] tile: row 8j + 2t + (e & 1), positions 64c + 16w + 2g (key g,

@@ -37,12 +37,10 @@ struct ConsumerThread {
   int c, w, g, t, lane;
 };
 
-// Issues S^T and dP^T (two commit groups, S^T first).
-template <int D, class T>
-__device__ __forceinline__ void issue_s_dp(const Smem<D>& s, int c, int st, int32_t (&sacc)[kTileAcc],
-                                           float (&dp)[kTileAcc]) {
+// Issues S^T (one commit group).
+template <int D>
+__device__ __forceinline__ void issue_s(const Smem<D>& s, int c, int st, int32_t (&sacc)[kTileAcc]) {
   reg_fence(sacc);
-  reg_fence(dp);
   wgmma_fence();
 #pragma unroll
   for (int kc = 0; kc < D / 32; ++kc) {
@@ -50,6 +48,15 @@ __device__ __forceinline__ void issue_s_dp(const Smem<D>& s, int c, int st, int3
     else mma_s8_ss<64, true>(sacc, s.k_desc(c, kc), s.q_desc(st, kc));
   }
   wgmma_commit();
+}
+
+// Issues dP^T (one commit group). After S^T's wait: its 32 s32 registers become P's before
+// dP^T's 32 are taken (beside dV and dK's 2 x D/2, S^T, P and dP^T all live at once spilled at
+// d = 128); P's quantization runs under this MMA.
+template <int D, class T>
+__device__ __forceinline__ void issue_dp(const Smem<D>& s, int c, int st, float (&dp)[kTileAcc]) {
+  reg_fence(dp);
+  wgmma_fence();
 #pragma unroll
   for (int kc = 0; kc < D / 16; ++kc) {
     if constexpr (std::is_same_v<T, __half>) {
@@ -63,37 +70,40 @@ __device__ __forceinline__ void issue_s_dp(const Smem<D>& s, int c, int st, int3
   wgmma_commit();
 }
 
-// Waits for S^T, makes P in place (as floats in pv); then waits for dP^T and makes dS in
-// place of dp.
+// Waits for S^T and makes P (as floats in pv).
 template <int D>
-__device__ __forceinline__ void recompute_p_ds(const Smem<D>& s, const ConsumerThread& th, int st, int i0,
-                                               int key0, int n_q, int n_kv, bool causal, float mult,
-                                               int32_t (&sacc)[kTileAcc], float (&pv)[kTileAcc],
-                                               float (&dp)[kTileAcc]) {
-  wgmma_wait<1>();
+__device__ __forceinline__ void recompute_p(const Smem<D>& s, const ConsumerThread& th, int st, int i0, int key0,
+                                            int n_q, int n_kv, bool causal, float mult,
+                                            int32_t (&sacc)[kTileAcc], float (&pv)[kTileAcc]) {
+  wgmma_wait<0>();
   reg_fence(sacc);
   const float* l2 = s.l2(st);
-  const float* delta = s.delta(st);
-  int vis[kTileAcc / 4][2];  // the visible keys of the thread's rows, per chunk
-#pragma unroll
-  for (int j = 0; j < kTileAcc / 4; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) vis[j][e] = visible_keys(i0 + 8 * j + 2 * th.t + e, n_q, n_kv, causal);
+  // Key k of row i is seen iff k < visible_keys(i): k - i < n_kv - n_q + 1 under the causal
+  // mask, and k < n_kv.
+  const int key_w = key0 + 16 * th.w + th.g;
+  const int diag = causal ? n_kv - n_q + 1 : n_kv + kBlockQ;  // k - i below this is seen
 #pragma unroll
   for (int x = 0; x < kTileAcc; ++x) {
-    const int j = x / 4, e = x % 4;
-    const int key = key0 + 16 * th.w + th.g + (e >= 2 ? 8 : 0);
-    const int a = 8 * j + 2 * th.t + (e & 1);
+    const int e = x % 4;
+    const int key = key_w + (e >= 2 ? 8 : 0);
+    const int a = 8 * (x / 4) + 2 * th.t + (e & 1);
     const float row_l2 = l2[a];
-    const bool seen = i0 + a < n_q && key < vis[j][e & 1] && row_l2 != -INFINITY;
+    const bool seen = i0 + a < n_q && key < n_kv && key - (i0 + a) < diag && row_l2 != -INFINITY;
     pv[x] = seen ? exp2f(__fmaf_rn(float(sacc[x]), mult, -row_l2)) : 0.f;
   }
+}
+
+// Waits for dP^T and makes dS in place of dp.
+template <int D>
+__device__ __forceinline__ void recompute_ds(const Smem<D>& s, const ConsumerThread& th, int st,
+                                             const float (&pv)[kTileAcc], float (&dp)[kTileAcc]) {
   wgmma_wait<0>();
   reg_fence(dp);
+  const float* delta = s.delta(st);
 #pragma unroll
   for (int x = 0; x < kTileAcc; ++x) {
     const int a = 8 * (x / 4) + 2 * th.t + (x & 1);
-    // pv is 0 where the row does not see the key: dS is 0 there too (0 * finite).
+    // pv is 0 where the row does not see the key: dS is 0 there too.
     dp[x] = pv[x] == 0.f ? 0.f : __fmul_rn(pv[x], __fsub_rn(dp[x], delta[a]));
   }
 }

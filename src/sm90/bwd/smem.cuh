@@ -57,13 +57,13 @@ struct Smem {
   __device__ __forceinline__ uint64_t dout_desc(int s, int kc) const {
     return smem_desc<128>(smem_desc_lo(dout(s)), uint32_t((kc / 4) * kBlockQ * 128 + 32 * (kc % 4)));
   }
-  // dV's and dK's B: channels [64 n, 64 n + 64) of dO^T / Q^T ([D][64], 64-byte rows), k32
-  // slice ks of the rows.
-  __device__ __forceinline__ uint64_t dot_desc(int s, int n, int ks) const {
-    return smem_desc<64>(smem_desc_lo(dot8(s)), uint32_t(64 * n * 64 + 32 * ks));
+  // dV's and dK's B: channels from ch (a multiple of 8) of dO^T / Q^T ([D][64], 64-byte
+  // rows), k32 slice ks of the rows.
+  __device__ __forceinline__ uint64_t dot_desc(int s, int ch, int ks) const {
+    return smem_desc<64>(smem_desc_lo(dot8(s)), uint32_t(ch * 64 + 32 * ks));
   }
-  __device__ __forceinline__ uint64_t qt_desc(int s, int n, int ks) const {
-    return smem_desc<64>(smem_desc_lo(qt8(s)), uint32_t(64 * n * 64 + 32 * ks));
+  __device__ __forceinline__ uint64_t qt_desc(int s, int ch, int ks) const {
+    return smem_desc<64>(smem_desc_lo(qt8(s)), uint32_t(ch * 64 + 32 * ks));
   }
   // dQ's A: the dS codes [64 rows][128 key positions], k32 slice ks.
   __device__ __forceinline__ uint64_t ds_desc(int ks) const {
