@@ -359,6 +359,17 @@ std::vector<BwdCase> fixed_cases() {
     c.strided = true, c.dtype = DType::bf16, c.with_out_lse = false;
     v.push_back(c);
   }
+  // The wgmma kernel's Q-tile ring (kStages stages) wraps many times and its barrier phases
+  // flip: 16 and 17 Q tiles per CTA, causal CTAs that skip leading tiles, several K/V tiles.
+  for (int64_t d : {64, 128})
+    for (bool causal : {false, true}) {
+      BwdCase c;
+      c.head_dim = d, c.causal = causal, c.n_q = 1024, c.n_kv = 1024;
+      c.dtype = causal ? DType::bf16 : DType::f16;
+      v.push_back(c);
+      c.n_q = 1088, c.n_kv = 700, c.batch = 2, c.heads_q = 2, c.heads_kv = 1;  // GQA, n_q > n_kv
+      v.push_back(c);
+    }
   return v;
 }
 
@@ -445,6 +456,33 @@ TEST(Sm90Backward, RecipesWithoutAKernelAreRefusedByName) {
   r.name = "sagebwd_ds_token";
   r.bwd_ds_granularity = Granularity::per_token;
   expect_refused(r, "recipe", "bwd_ds_granularity per_block");
+}
+
+// The backward kernel exists at head_dim 64 and 128 (kernel_traits.h, backward_has_kernel):
+// other dims are refused by name, whatever the build's forward dims.
+TEST(Sm90Backward, HeadDimsWithoutABackwardKernelAreRefusedByName) {
+  SAGE_REQUIRE_GPU();
+  for (int64_t d : {32, 96}) {
+    BwdCase c;
+    c.n_q = c.n_kv = 64, c.head_dim = d;
+    Inputs x = make_inputs(c);
+    BackwardArgs a;
+    const Device gpu = Device::cuda(0);
+    a.q = x.q.view(x.q.bits.data(), c.dtype, gpu), a.k = x.k.view(x.k.bits.data(), c.dtype, gpu);
+    a.v = x.v.view(x.v.bits.data(), c.dtype, gpu), a.dout = x.dout.view(x.dout.bits.data(), c.dtype, gpu);
+    Stored dq(1, 2, 64, d, Layout::HND, false), dkv(1, 2, 64, d, Layout::HND, false);
+    a.dq = dq.view(dq.bits.data(), c.dtype, gpu);
+    a.dk = dkv.view(dkv.bits.data(), c.dtype, gpu);
+    a.dv = dkv.view(dkv.bits.data(), c.dtype, gpu);
+    a.recipe = preset("sagebwd");
+    try {
+      backward_workspace_bytes(a);
+      ADD_FAILURE() << "head_dim " << d << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), "q") << e.what();
+      EXPECT_NE(std::string(e.what()).find("head_dim " + std::to_string(d)), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace
