@@ -263,6 +263,14 @@ __device__ __forceinline__ uint32_t round_to_low_bits(float x) {
   return __float_as_uint(__fadd_rn(x, 12582912.f));
 }
 
+// The exact float of an integer |x| < 2^22 (an MMA's s32 sum of at most 256 products of two
+// INT8 codes: 127 * 127 * 256 < 2^22) with an IADD and an FADD, both full rate, where a
+// conversion (I2F) runs at a quarter: 1.5 * 2^23 + x is exact in the mantissa, and
+// subtracting 1.5 * 2^23 again leaves x.
+__device__ __forceinline__ float small_int_to_float(int32_t x) {
+  return __fsub_rn(__int_as_float(x + 0x4B400000), 12582912.f);
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

@@ -48,7 +48,7 @@ __device__ __forceinline__ void product_fold(float (&acc)[kGradAcc<D>], uint32_t
 #pragma unroll
     for (int x = 0; x < kAcc; ++x) {
       float& y = acc[kAcc * n + x];
-      y = __fmaf_rn(float(prod[x]), scale[(x % 4) / 2], y);
+      y = __fmaf_rn(small_int_to_float(prod[x]), scale[(x % 4) / 2], y);
     }
   }
 }
@@ -95,8 +95,8 @@ __device__ __forceinline__ void accumulate_dq(const Smem<D>& s, const ConsumerTh
     const int row = 16 * th.w + th.g + ((x % 4) >= 2 ? 8 : 0);
     const int ch = th.c * kN + 8 * (x / 4) + 2 * th.t;
     if (row < rows && (acc[x] != 0 || acc[x + 1] != 0))
-      atomic_add2(dq_rows + (int64_t)row * D + ch, __fmul_rn(float(acc[x]), ds_k_scale),
-                  __fmul_rn(float(acc[x + 1]), ds_k_scale));
+      atomic_add2(dq_rows + (int64_t)row * D + ch, __fmul_rn(small_int_to_float(acc[x]), ds_k_scale),
+                  __fmul_rn(small_int_to_float(acc[x + 1]), ds_k_scale));
   }
 }
 

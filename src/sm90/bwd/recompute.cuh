@@ -89,7 +89,7 @@ __device__ __forceinline__ void recompute_p(const Smem<D>& s, const ConsumerThre
     const int a = 8 * (x / 4) + 2 * th.t + (e & 1);
     const float row_l2 = l2[a];
     const bool seen = i0 + a < n_q && key < n_kv && key - (i0 + a) < diag && row_l2 != -INFINITY;
-    pv[x] = seen ? exp2f(__fmaf_rn(float(sacc[x]), mult, -row_l2)) : 0.f;
+    pv[x] = seen ? exp2f(__fmaf_rn(small_int_to_float(sacc[x]), mult, -row_l2)) : 0.f;
   }
 }
 
