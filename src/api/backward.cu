@@ -183,8 +183,11 @@ void attention_backward(const BackwardArgs& args, void* workspace, size_t worksp
   auto* s = static_cast<cudaStream_t>(stream);
   // Empty problems: gradients of nothing (dk, dv of keys no query sees are zero).
   const AttentionArgs f = forward_of(args, ws + w.out);
-  auto* lse2 = reinterpret_cast<float*>(ws + w.lse2);
-  const quant::QuantizedKV kv = detail::attention_for_backward(f, ws + w.fwd, w.out - w.fwd, lse2, s);
+  // With the saved forward's L2 (and out), only the K/V pre-pass runs again (K' codes).
+  const bool saved = args.lse2.defined();
+  auto* lse2 = saved ? static_cast<float*>(args.lse2.data) : reinterpret_cast<float*>(ws + w.lse2);
+  const quant::QuantizedKV kv = saved ? detail::quantize_kv_for_backward(f, ws + w.fwd, w.out - w.fwd, s)
+                                      : detail::attention_for_backward(f, ws + w.fwd, w.out - w.fwd, lse2, s);
 
   sm90::bwd::BackwardParams p{};
   const Dims qs = strides_of(args.q, args.layout), vs = strides_of(args.v, args.layout);
@@ -238,6 +241,16 @@ void attention_backward(const BackwardArgs& args, void* workspace, size_t worksp
 #undef SAGE_BACKWARD_DIM
   throw Error("q", "head_dim " + std::to_string(pr.head_dim) + " has no kernel in this build (built: " +
                        SAGE_HEAD_DIMS_STRING + ")");
+}
+
+void attention_for_training(const AttentionArgs& args, const TensorView& lse2, void* workspace,
+                            size_t workspace_size, void* stream) {
+  const Problem pr = check_args(args, DeviceKind::cuda);
+  if (!gpu_supports_backward(args.recipe))
+    throw Error("recipe", "'" + args.recipe.name + "' has no sm_90 backward, so no training forward " +
+                              "(gpu_supports_backward)");
+  detail::check_saved_l2(lse2, pr, DeviceKind::cuda);
+  detail::attention_for_backward(args, workspace, workspace_size, static_cast<float*>(lse2.data), stream);
 }
 
 }  // namespace sage
