@@ -18,7 +18,6 @@
 #include "sage/error.h"
 #include "sm90/bwd/kernel_traits.h"
 #include "sm90/bwd/params.h"
-#include "sm90/bwd/tma_maps.h"
 
 namespace sage {
 namespace sm90::bwd {
@@ -113,6 +112,13 @@ Checked check_gpu_backward(const BackwardArgs& a) {
   if (!aligned)
     throw Error("dout", "the GPU kernels need the data pointer aligned to 16 bytes and strides[0..2] "
                         "to be multiples of 8 elements");
+  // The backward kernel reads V and dO with TMA through their strides: the same rule for v
+  // (which the forward's checks also hold it to), checked before anything is enqueued.
+  bool v_aligned = reinterpret_cast<uintptr_t>(a.v.data) % 16 == 0;
+  for (int d = 0; d < 3; ++d) v_aligned = v_aligned && a.v.strides[d] % 8 == 0;
+  if (!v_aligned)
+    throw Error("v", "the GPU backward needs the data pointer aligned to 16 bytes and strides[0..2] "
+                     "to be multiples of 8 elements");
   BackwardLayout w{};
   size_t off = 0;
   auto take = [&](size_t bytes) {
@@ -220,11 +226,7 @@ void attention_backward(const BackwardArgs& args, void* workspace, size_t worksp
   p.n_q_pad = int(q_pad(pr.n_q));
   p.fwd_block_q = tile_config(int(pr.head_dim)).block_q;
   p.causal = args.causal;
-  // The kernel reads V and dO with TMA through their strides (16-byte aligned rows, checked
-  // for dout above and by the forward's checks for v).
-  if (!sm90::bwd::view_tma_compatible(p.v, p.v_sb, p.v_sh, p.v_sn, p.batch, p.heads_kv, p.n_kv))
-    throw Error("v", "the GPU backward needs v's data pointer aligned to 16 bytes and strides[0..2] to be "
-                     "multiples of 8 elements");
+
   p.sm_scale = pr.sm_scale;
   p.sm_scale_log2 = rules::sm_scale_log2(pr.sm_scale);
   // The fp32 accumulators start at zero (dK and dV also where no query sees a key).
