@@ -11,7 +11,7 @@
 namespace sage::sm90::bwd {
 
 // Named barriers (0 is __syncthreads): among the 256 consumer threads.
-enum BwdBarrier : int { kDsAmax = 1, kDsStored = 2, kKtBuilt = 3 };
+enum BwdBarrier : int { kDsAmax = 1, kDsStored = 2 };
 
 template <int D>
 struct Smem {
