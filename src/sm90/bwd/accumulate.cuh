@@ -27,42 +27,61 @@ constexpr int kGradAcc = D / 2;
 template <int D>
 constexpr int kChunk = D >= 128 ? 32 : 64;
 
-// acc[chunk n] += A * B(channels [kChunk n, kChunk (n + 1))), folded with scale[key row].
-template <int D, class Desc>
-__device__ __forceinline__ void product_fold(float (&acc)[kGradAcc<D>], uint32_t (&a)[2][4], Desc desc,
-                                             const float (&scale)[2]) {
-  constexpr int N = kChunk<D>, kAcc = N / 2;
-#pragma unroll
-  for (int n = 0; n < D / N; ++n) {
-    int32_t prod[kAcc];
-    reg_fence(a);
-    wgmma_fence();
-    mma_s8_rs<N, false>(prod, a[0], desc(n * N, 0));
-    mma_s8_rs<N, true>(prod, a[1], desc(n * N, 1));
-    wgmma_commit();
-    wgmma_wait<0>();
-    reg_fence(prod);
-    reg_fence(a);
-    // Accumulator index x of the chunk: channel 8 (x / 4) + 2t + (x & 1) of it, the same
-    // index kAcc n + x of dV / dK (whose layout is m64nD's: index 4j + e, channel 8j + ...).
-#pragma unroll
-    for (int x = 0; x < kAcc; ++x) {
-      float& y = acc[kAcc * n + x];
-      y = __fmaf_rn(small_int_to_float(prod[x]), scale[(x % 4) / 2], y);
-    }
-  }
-}
-
+// dV's chunks then dK's (job j < D / N is dV's chunk j, the others dK's). At d = 64 one
+// product is in flight while the previous one folds (two s32 buffers); at d = 128 that spilled
+// (120 bytes against 40), so there each product is waited for before the next is issued.
 template <int D>
 __device__ __forceinline__ void accumulate_dv_dk(const Smem<D>& s, int st, uint32_t (&pa)[2][4],
                                                  const float (&p_scale)[2], float do_scale,
                                                  uint32_t (&dsa)[2][4], float ds_q_scale,
                                                  float (&dv)[kGradAcc<D>], float (&dk)[kGradAcc<D>]) {
+  constexpr int N = kChunk<D>, kAcc = N / 2, kChunks = D / N, kJobs = 2 * kChunks;
   // s_P,key * s_dO (the contract's order), per key row g and g + 8.
   const float pv_scale[2] = {__fmul_rn(p_scale[0], do_scale), __fmul_rn(p_scale[1], do_scale)};
-  product_fold<D>(dv, pa, [&](int ch, int ks) { return s.dot_desc(st, ch, ks); }, pv_scale);
-  const float dk_scale[2] = {ds_q_scale, ds_q_scale};
-  product_fold<D>(dk, dsa, [&](int ch, int ks) { return s.qt_desc(st, ch, ks); }, dk_scale);
+  int32_t prod[2][kAcc];
+  auto issue = [&](int j) {
+    int32_t(&acc)[kAcc] = prod[j & 1];
+    reg_fence(acc);
+    wgmma_fence();
+    if (j < kChunks) {
+      mma_s8_rs<N, false>(acc, pa[0], s.dot_desc(st, j * N, 0));
+      mma_s8_rs<N, true>(acc, pa[1], s.dot_desc(st, j * N, 1));
+    } else {
+      mma_s8_rs<N, false>(acc, dsa[0], s.qt_desc(st, (j - kChunks) * N, 0));
+      mma_s8_rs<N, true>(acc, dsa[1], s.qt_desc(st, (j - kChunks) * N, 1));
+    }
+    wgmma_commit();
+  };
+  constexpr bool kOverlap = D < 128;
+  reg_fence(pa);
+  reg_fence(dsa);
+  if constexpr (kOverlap) issue(0);
+#pragma unroll
+  for (int j = 0; j < kJobs; ++j) {
+    if constexpr (kOverlap) {
+      if (j + 1 < kJobs) {
+        issue(j + 1);
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+    } else {
+      issue(j);
+      wgmma_wait<0>();
+    }
+    int32_t(&acc)[kAcc] = prod[j & 1];
+    reg_fence(acc);
+    // Accumulator index x of the chunk: channel 8 (x / 4) + 2t + (x & 1) of it, the same
+    // index kAcc n + x of dV / dK (whose layout is m64nD's: index 4j + e, channel 8j + ...).
+    const int n = j < kChunks ? j : j - kChunks;
+#pragma unroll
+    for (int x = 0; x < kAcc; ++x) {
+      float& y = j < kChunks ? dv[kAcc * n + x] : dk[kAcc * n + x];
+      y = __fmaf_rn(small_int_to_float(acc[x]), j < kChunks ? pv_scale[(x % 4) / 2] : ds_q_scale, y);
+    }
+  }
+  reg_fence(pa);
+  reg_fence(dsa);
 }
 
 __device__ __forceinline__ void atomic_add2(float* at, float x, float y) {

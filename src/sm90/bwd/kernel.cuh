@@ -74,8 +74,9 @@ __device__ __forceinline__ void run_consumers(const BackwardParams& p, const Sme
     int32_t sacc[kTileAcc];
     float pv[kTileAcc], dsv[kTileAcc];
     issue_s<D>(s, th.c, st, sacc);
+    if constexpr (kDpWithS<D>) issue_dp<D, T>(s, th.c, st, dsv);
     recompute_p<D>(s, th, st, i0, key0, p.n_q, p.n_kv, p.causal, mult, sacc, pv);
-    issue_dp<D, T>(s, th.c, st, dsv);
+    if constexpr (!kDpWithS<D>) issue_dp<D, T>(s, th.c, st, dsv);
     uint32_t pa[2][4], dsa[2][4];
     float p_scale[2];
     quantize_p(pv, pa, p_scale);

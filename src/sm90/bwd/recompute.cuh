@@ -50,9 +50,10 @@ __device__ __forceinline__ void issue_s(const Smem<D>& s, int c, int st, int32_t
   wgmma_commit();
 }
 
-// Issues dP^T (one commit group). After S^T's wait: its 32 s32 registers become P's before
-// dP^T's 32 are taken (beside dV and dK's 2 x D/2, S^T, P and dP^T all live at once spilled at
-// d = 128); P's quantization runs under this MMA.
+// Issues dP^T (one commit group). At d = 128 after S^T's wait (kDpWithS): S^T's 32 s32
+// registers become P's before dP^T's 32 are taken (beside dV and dK's 2 x D/2, S^T, P and dP^T
+// all live at once spilled there), and P's quantization runs under this MMA; at d = 64 right
+// after S^T.
 template <int D, class T>
 __device__ __forceinline__ void issue_dp(const Smem<D>& s, int c, int st, float (&dp)[kTileAcc]) {
   reg_fence(dp);
@@ -70,12 +71,18 @@ __device__ __forceinline__ void issue_dp(const Smem<D>& s, int c, int st, float 
   wgmma_commit();
 }
 
-// Waits for S^T and makes P (as floats in pv).
+// Whether dP^T is issued right after S^T (in flight while P is made): at d = 64, where the
+// registers allow S^T, P and dP^T at once beside dV and dK. At d = 128 dP^T waits for P.
+template <int D>
+constexpr bool kDpWithS = D < 128;
+
+// Waits for S^T (with dP^T still in flight where kDpWithS) and makes P (as floats in pv).
 template <int D>
 __device__ __forceinline__ void recompute_p(const Smem<D>& s, const ConsumerThread& th, int st, int i0, int key0,
                                             int n_q, int n_kv, bool causal, float mult,
                                             int32_t (&sacc)[kTileAcc], float (&pv)[kTileAcc]) {
-  wgmma_wait<0>();
+  if constexpr (kDpWithS<D>) wgmma_wait<1>();
+  else wgmma_wait<0>();
   reg_fence(sacc);
   const float* l2 = s.l2(st);
   // Key k of row i is seen iff k < visible_keys(i): k - i < n_kv - n_q + 1 under the causal
