@@ -28,6 +28,12 @@ OPS = [
     ("mma_f16_rs_f16acc", 64, 16, "f16", "f16", "f16", "uint32_t"),
     ("mma_f16_rs_f16acc", 96, 16, "f16", "f16", "f16", "uint32_t"),
     ("mma_f16_rs_f16acc", 128, 16, "f16", "f16", "f16", "uint32_t"),
+    # The SageBwd backward (src/sm90/bwd/): dQ's n = D / 2 halves at d = 64 (n = 32) and the
+    # 16-bit dP^T = V dO^T with both operands in shared memory and an f32 accumulator.
+    ("mma_s8_ss", 32, 32, "s32", "s8", "s8", "int32_t"),
+    ("mma_s8_rs", 32, 32, "s32", "s8", "s8", "int32_t"),
+    ("mma_f16_f32acc_ss", 64, 16, "f32", "f16", "f16", "float"),
+    ("mma_bf16_f32acc_ss", 64, 16, "f32", "bf16", "bf16", "float"),
 ]
 
 
@@ -45,7 +51,13 @@ def emit(name, n, k, dtype, atype, btype, ctype, accumulate):
     desc = f"%{nacc + n_a}"
     # Floating-point MMAs take imm-scale-a/b (+1: no negation); 16-bit B also takes
     # imm-trans-b (0: B is K-major like every operand here); integer MMAs take neither.
-    imm = "" if atype == "s8" else (", 1, 1, 0" if atype == "f16" else ", 1, 1")
+    # An _ss 16-bit MMA takes imm-trans-a too (0: A is K-major).
+    if atype == "s8":
+        imm = ""
+    elif atype in ("f16", "bf16"):
+        imm = ", 1, 1, 0, 0" if ss else ", 1, 1, 0"
+    else:
+        imm = ", 1, 1"
     outs = ", ".join(f'"{con}"(d[{i}])' for i in range(nacc))
     a_param = "uint64_t desc_a" if ss else "const uint32_t (&a)[4]"
     a_where = "shared, K-major" if ss else "registers"

@@ -26,6 +26,11 @@ struct BackwardArgs {
   TensorView dout;      // dO: q's shape and dtype
   TensorView dq, dk, dv;  // written: q's, k's and v's shapes, any float dtype on the CPU
   TensorView out, lse;  // optional, written: the forward's output and natural-log LSE
+  // Optional, read (GPU only): the rows' base-2 log-sums L2 that attention_for_training wrote,
+  // f32 [batch, heads_q, n_q] contiguous. Given, the backward does not re-run the forward:
+  // `out` must then be that call's output (read, not written) and `lse` undefined; only the
+  // K/V quantization runs again (the backward's K' codes). The CPU references ignore it.
+  TensorView lse2;
   Layout layout = Layout::HND;
   bool causal = false;
   std::optional<float> sm_scale;  // default 1/sqrt(head_dim)
@@ -59,6 +64,12 @@ Problem check_backward_args(const BackwardArgs& args, DeviceKind device);
 size_t backward_workspace_bytes(const BackwardArgs& args);
 void attention_backward(const BackwardArgs& args, void* workspace, size_t workspace_size,
                         void* stream);
+// The forward of a training step: attention(args, ...) (the same out and lse, bit for bit)
+// that also writes the rows' base-2 log-sums into lse2 (f32 [batch, heads_q, n_q], contiguous,
+// cuda memory), for BackwardArgs::lse2. Recipes with a GPU backward only; workspace as
+// attention()'s (workspace_bytes(args)).
+void attention_for_training(const AttentionArgs& args, const TensorView& lse2, void* workspace,
+                            size_t workspace_size, void* stream);
 // Whether the sm_90 backward implements this recipe (false in a CPU-only build).
 bool gpu_supports_backward(const Recipe& recipe);
 

@@ -58,7 +58,7 @@ int64_t kv_pad(int64_t n_kv) {
 }
 
 struct BackwardLayout {
-  size_t fwd, out, lse2, delta, q8, q_scale, do8, do_scale, dq_acc, dk_acc, dv_acc, total;
+  size_t fwd, out, lse2, l2p, delta, q8, q8t, q_scale, do8t, do_scale, dq_acc, dk_acc, dv_acc, total;
 };
 
 // A dense view of q's shape and dtype at `data`, in the call's layout: the forward's output
@@ -103,12 +103,22 @@ Checked check_gpu_backward(const BackwardArgs& a) {
   if (!built)
     throw Error("q", "head_dim " + std::to_string(pr.head_dim) + " has no kernel in this build (built: " +
                          SAGE_HEAD_DIMS_STRING + ")");
+  if (!sm90::bwd::backward_has_kernel(int(pr.head_dim)))
+    throw Error("q", "head_dim " + std::to_string(pr.head_dim) +
+                         " has no sm_90 backward (the backward kernel exists at head_dim 64 and 128)");
   // The kernels read dout in 16-byte pieces (the forward's rule for q, k, v).
   bool aligned = reinterpret_cast<uintptr_t>(a.dout.data) % 16 == 0;
   for (int d = 0; d < 3; ++d) aligned = aligned && a.dout.strides[d] % 8 == 0;
   if (!aligned)
     throw Error("dout", "the GPU kernels need the data pointer aligned to 16 bytes and strides[0..2] "
                         "to be multiples of 8 elements");
+  // The backward kernel reads V and dO with TMA through their strides: the same rule for v
+  // (which the forward's checks also hold it to), checked before anything is enqueued.
+  bool v_aligned = reinterpret_cast<uintptr_t>(a.v.data) % 16 == 0;
+  for (int d = 0; d < 3; ++d) v_aligned = v_aligned && a.v.strides[d] % 8 == 0;
+  if (!v_aligned)
+    throw Error("v", "the GPU backward needs the data pointer aligned to 16 bytes and strides[0..2] "
+                     "to be multiples of 8 elements");
   BackwardLayout w{};
   size_t off = 0;
   auto take = [&](size_t bytes) {
@@ -124,10 +134,12 @@ Checked check_gpu_backward(const BackwardArgs& a) {
   w.fwd = take(workspace_bytes(f));
   w.out = take(a.out.defined() ? 0 : bh * nq * d * dtype_size(a.q.dtype));
   w.lse2 = take(bh * nq * 4);
-  w.delta = take(bh * nq * 4);
+  w.l2p = take(bh * nqp * 4);
+  w.delta = take(bh * nqp * 4);
   w.q8 = take(bh * nqp * d);
+  w.q8t = take(bh * nqp * d);
   w.q_scale = take(bh * tiles * 4);
-  w.do8 = take(bh * nqp * d);
+  w.do8t = take(bh * nqp * d);
   w.do_scale = take(bh * tiles * 4);
   w.dq_acc = take(bh * nq * d * 4);
   w.dk_acc = take(kvh * nkv * d * 4);
@@ -146,7 +158,7 @@ Dims strides_of(const TensorView& t, Layout layout) {
 
 template <int D, class T>
 void run_backward(const sm90::bwd::BackwardParams& p, cudaStream_t s) {
-  sm90::bwd::launch_backward<D, T>(p, s);
+  if constexpr (sm90::bwd::backward_has_kernel(D)) sm90::bwd::launch_backward<D, T>(p, s);
 }
 
 }  // namespace
@@ -177,8 +189,11 @@ void attention_backward(const BackwardArgs& args, void* workspace, size_t worksp
   auto* s = static_cast<cudaStream_t>(stream);
   // Empty problems: gradients of nothing (dk, dv of keys no query sees are zero).
   const AttentionArgs f = forward_of(args, ws + w.out);
-  auto* lse2 = reinterpret_cast<float*>(ws + w.lse2);
-  const quant::QuantizedKV kv = detail::attention_for_backward(f, ws + w.fwd, w.out - w.fwd, lse2, s);
+  // With the saved forward's L2 (and out), only the K/V pre-pass runs again (K' codes).
+  const bool saved = args.lse2.defined();
+  auto* lse2 = saved ? static_cast<float*>(args.lse2.data) : reinterpret_cast<float*>(ws + w.lse2);
+  const quant::QuantizedKV kv = saved ? detail::quantize_kv_for_backward(f, ws + w.fwd, w.out - w.fwd, s)
+                                      : detail::attention_for_backward(f, ws + w.fwd, w.out - w.fwd, lse2, s);
 
   sm90::bwd::BackwardParams p{};
   const Dims qs = strides_of(args.q, args.layout), vs = strides_of(args.v, args.layout);
@@ -195,10 +210,12 @@ void attention_backward(const BackwardArgs& args, void* workspace, size_t worksp
   p.k8 = kv.k;
   p.k_scale = kv.k_scale;
   p.lse2 = lse2;
+  p.l2p = reinterpret_cast<float*>(ws + w.l2p);
   p.delta = reinterpret_cast<float*>(ws + w.delta);
   p.q8 = reinterpret_cast<int8_t*>(ws + w.q8);
+  p.q8t = reinterpret_cast<int8_t*>(ws + w.q8t);
   p.q_scale = reinterpret_cast<float*>(ws + w.q_scale);
-  p.do8 = reinterpret_cast<int8_t*>(ws + w.do8);
+  p.do8t = reinterpret_cast<int8_t*>(ws + w.do8t);
   p.do_scale = reinterpret_cast<float*>(ws + w.do_scale);
   p.dq_acc = reinterpret_cast<float*>(ws + w.dq_acc);
   p.dk_acc = reinterpret_cast<float*>(ws + w.dk_acc);
@@ -209,6 +226,7 @@ void attention_backward(const BackwardArgs& args, void* workspace, size_t worksp
   p.n_q_pad = int(q_pad(pr.n_q));
   p.fwd_block_q = tile_config(int(pr.head_dim)).block_q;
   p.causal = args.causal;
+
   p.sm_scale = pr.sm_scale;
   p.sm_scale_log2 = rules::sm_scale_log2(pr.sm_scale);
   // The fp32 accumulators start at zero (dK and dV also where no query sees a key).
@@ -225,6 +243,16 @@ void attention_backward(const BackwardArgs& args, void* workspace, size_t worksp
 #undef SAGE_BACKWARD_DIM
   throw Error("q", "head_dim " + std::to_string(pr.head_dim) + " has no kernel in this build (built: " +
                        SAGE_HEAD_DIMS_STRING + ")");
+}
+
+void attention_for_training(const AttentionArgs& args, const TensorView& lse2, void* workspace,
+                            size_t workspace_size, void* stream) {
+  const Problem pr = check_args(args, DeviceKind::cuda);
+  if (!gpu_supports_backward(args.recipe))
+    throw Error("recipe", "'" + args.recipe.name + "' has no sm_90 backward, so no training forward " +
+                              "(gpu_supports_backward)");
+  detail::check_saved_l2(lse2, pr, DeviceKind::cuda);
+  detail::attention_for_backward(args, workspace, workspace_size, static_cast<float*>(lse2.data), stream);
 }
 
 }  // namespace sage

@@ -14,5 +14,12 @@ namespace sage::detail {
 // (dense [batch, heads_q, n_q] floats, device memory); returns the workspace's quantized K/V.
 quant::QuantizedKV attention_for_backward(const AttentionArgs& args, void* workspace,
                                           size_t workspace_size, float* lse2, void* stream);
+// The K/V pre-pass of attention(args) alone (the backward's K' codes when the forward's L2 was
+// saved); returns where the quantized K/V lie in the workspace.
+// lse2's checks (BackwardArgs::lse2, attention_for_training): f32 [batch, heads_q, n_q],
+// contiguous, on `device`.
+void check_saved_l2(const TensorView& lse2, const Problem& p, DeviceKind device);
+quant::QuantizedKV quantize_kv_for_backward(const AttentionArgs& args, void* workspace,
+                                            size_t workspace_size, void* stream);
 
 }  // namespace sage::detail

@@ -5,11 +5,28 @@
 #include <utility>
 #include <vector>
 
+#include "api/backward_gpu.h"
 #include "sage/attention.h"
 #include "sage/backward.h"
 #include "sage/error.h"
 
 namespace sage {
+
+void detail::check_saved_l2(const TensorView& t, const Problem& p, DeviceKind device) {
+  const int64_t want[3] = {p.batch, p.heads_q, p.n_q};
+  const std::string dims = "[batch, heads_q, n_q] = [" + std::to_string(want[0]) + ", " +
+                           std::to_string(want[1]) + ", " + std::to_string(want[2]) + "]";
+  if (t.ndim != 3 || t.shape[0] != want[0] || t.shape[1] != want[1] || t.shape[2] != want[2])
+    throw Error("lse2", "must be an f32 view " + dims);
+  if (t.dtype != DType::f32) throw Error("lse2", std::string("dtype must be f32 (got ") + dtype_name(t.dtype) + ")");
+  if (t.strides[2] != 1 || t.strides[1] != want[2] || t.strides[0] != want[1] * want[2])
+    if (t.numel() > 1) throw Error("lse2", "must be contiguous (row-major strides)");
+  if (t.data == nullptr && t.numel() > 0) throw Error("lse2", "data must not be null");
+  if (t.device.kind != device)
+    throw Error("lse2", std::string("must be in ") + (device == DeviceKind::cpu ? "cpu" : "cuda") +
+                            " memory for this entry point (got " + device_name(t.device) + ")");
+}
+
 namespace {
 
 std::string shape_text(const TensorView& t) {
@@ -128,6 +145,13 @@ Problem check_backward_args(const BackwardArgs& a, DeviceKind device) {
                               " on cuda (got " + dtype_name(g.t->dtype) + ")");
     }
     check_no_self_overlap(*g.t, g.name);
+  }
+  if (a.lse2.defined()) {
+    if (device == DeviceKind::cuda) detail::check_saved_l2(a.lse2, p, device);  // the CPU ignores it
+    if (!a.out.defined())
+      throw Error("out", "is required with lse2: the saved forward's output, read by the backward");
+    if (a.lse.defined())
+      throw Error("lse", "must be left undefined with lse2: the backward does not re-run the forward");
   }
   return p;
 }

@@ -533,6 +533,17 @@ quant::QuantizedKV attention_for_backward(const AttentionArgs& args, void* works
   run_step(Step::attention, args, c.problem, c.variant, ws, s, lse2);
   return kv;
 }
+
+quant::QuantizedKV quantize_kv_for_backward(const AttentionArgs& args, void* workspace,
+                                            size_t workspace_size, void* stream) {
+  const Checked c = check_gpu_call(args);
+  check_workspace(workspace, workspace_size, c.workspace);
+  auto* ws = static_cast<uint8_t*>(workspace);
+  const quant::QuantizedKV kv = quantized_kv_at(ws, workspace_layout(c.problem, c.variant.path), args.recipe);
+  if (c.problem.batch == 0 || c.problem.heads_q == 0 || c.problem.n_q == 0) return kv;
+  run_step(Step::quantize_kv, args, c.problem, c.variant, ws, static_cast<cudaStream_t>(stream));
+  return kv;
+}
 }  // namespace detail
 
 // ---- packed variable-length batches ----------------------------------------------------------

@@ -111,6 +111,16 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 
+// 1-D bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) into shared
+// memory, completing on the barrier's transaction count.
+__device__ __forceinline__ void bulk_load_1d(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_addr(dst)),
+      "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
 // 4-D tile load; coordinates innermost first, in elements.
 __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar,
                                             int x, int y, int z, int w) {
@@ -251,6 +261,14 @@ __device__ __forceinline__ uint16_t pack_e4m3x2(float lo, float hi) {
 // with the product that made x.
 __device__ __forceinline__ uint32_t round_to_low_bits(float x) {
   return __float_as_uint(__fadd_rn(x, 12582912.f));
+}
+
+// The exact float of an integer |x| < 2^22 (an MMA's s32 sum of at most 256 products of two
+// INT8 codes: 127 * 127 * 256 < 2^22) with an IADD and an FADD, both full rate, where a
+// conversion (I2F) runs at a quarter: 1.5 * 2^23 + x is exact in the mantissa, and
+// subtracting 1.5 * 2^23 again leaves x.
+__device__ __forceinline__ float small_int_to_float(int32_t x) {
+  return __fsub_rn(__int_as_float(x + 0x4B400000), 12582912.f);
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {

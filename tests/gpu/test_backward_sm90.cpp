@@ -44,6 +44,9 @@ struct BwdCase {
   Layout layout = Layout::HND;
   bool strided = false;  // padded strides and a storage offset on every view
   bool with_out_lse = true;
+  // The training step's path: attention_for_training (out, lse and L2), then the backward with
+  // BackwardArgs::lse2, which does not re-run the forward. Needs with_out_lse.
+  bool saved_forward = false;
   std::string distribution = "normal";
   uint64_t seed = 0;
   std::string describe() const {
@@ -52,7 +55,8 @@ struct BwdCase {
                   (long long)batch, (long long)heads_q, (long long)heads_kv, (long long)n_q,
                   (long long)n_kv, (long long)head_dim, causal ? "causal" : "full",
                   dtype == DType::bf16 ? "bf16" : "f16", layout == Layout::HND ? "HND" : "NHD",
-                  strided ? " strided" : "", with_out_lse ? "" : " no-out", distribution.c_str(),
+                  strided ? " strided" : "", with_out_lse ? (saved_forward ? " saved-fwd" : "") : " no-out",
+                  distribution.c_str(),
                   (unsigned long long)seed);
     return buf;
   }
@@ -241,10 +245,24 @@ Kernel run_kernel(const BwdCase& c, Inputs& x) {
   a.layout = c.layout;
   a.causal = c.causal;
   a.recipe = preset("sagebwd");
+  float* lse2_d = nullptr;
+  if (c.saved_forward) {
+    check(cudaMalloc(&lse2_d, lse_n * 4), "cudaMalloc lse2");
+    AttentionArgs f = forward_args(a);
+    f.out = a.out, f.lse = a.lse;
+    const TensorView lse2 = contiguous_view(lse2_d, DType::f32, {c.batch, c.heads_q, c.n_q}, gpu);
+    const size_t fwd_bytes = workspace_bytes(f);
+    DeviceWorkspace fwd_ws(fwd_bytes);
+    attention_for_training(f, lse2, fwd_ws.get(), fwd_bytes, nullptr);
+    device_sync("attention_for_training");
+    a.lse = TensorView{};
+    a.lse2 = lse2;
+  }
   const size_t bytes = backward_workspace_bytes(a);
   DeviceWorkspace ws(bytes);
   attention_backward(a, ws.get(), bytes, nullptr);
   device_sync("attention_backward");
+  if (lse2_d) cudaFree(lse2_d);
   dq_d.download(dq), dk_d.download(dk), dv_d.download(dv), out_d.download(out);
   check(cudaMemcpy(lse.data(), lse_d, lse_n * 4, cudaMemcpyDeviceToHost), "cudaMemcpy lse");
   cudaFree(lse_d);
@@ -358,7 +376,20 @@ std::vector<BwdCase> fixed_cases() {
     v.push_back(c);
     c.strided = true, c.dtype = DType::bf16, c.with_out_lse = false;
     v.push_back(c);
+    c.with_out_lse = true, c.saved_forward = true;  // the backward on the saved out and L2
+    v.push_back(c);
   }
+  // The wgmma kernel's Q-tile ring (kStages stages) wraps many times and its barrier phases
+  // flip: 16 and 17 Q tiles per CTA, causal CTAs that skip leading tiles, several K/V tiles.
+  for (int64_t d : {64, 128})
+    for (bool causal : {false, true}) {
+      BwdCase c;
+      c.head_dim = d, c.causal = causal, c.n_q = 1024, c.n_kv = 1024;
+      c.dtype = causal ? DType::bf16 : DType::f16;
+      v.push_back(c);
+      c.n_q = 1088, c.n_kv = 700, c.batch = 2, c.heads_q = 2, c.heads_kv = 1;  // GQA, n_q > n_kv
+      v.push_back(c);
+    }
   return v;
 }
 
@@ -399,6 +430,7 @@ BwdCase random_case(uint64_t seed) {
   c.layout = rng.uniform() < 0.5 ? Layout::HND : Layout::NHD;
   c.strided = rng.uniform() < 0.4;
   c.with_out_lse = rng.uniform() < 0.7;
+  c.saved_forward = c.with_out_lse && seed % 3 == 1;  // not from rng: the other draws stay
   const std::vector<std::string>& dists = reference::synthetic_distributions();
   c.distribution = rng.uniform() < 0.6 ? "normal" : dists[size_t(rng.uniform() * dists.size()) % dists.size()];
   return c;
@@ -445,6 +477,33 @@ TEST(Sm90Backward, RecipesWithoutAKernelAreRefusedByName) {
   r.name = "sagebwd_ds_token";
   r.bwd_ds_granularity = Granularity::per_token;
   expect_refused(r, "recipe", "bwd_ds_granularity per_block");
+}
+
+// The backward kernel exists at head_dim 64 and 128 (kernel_traits.h, backward_has_kernel):
+// other dims are refused by name, whatever the build's forward dims.
+TEST(Sm90Backward, HeadDimsWithoutABackwardKernelAreRefusedByName) {
+  SAGE_REQUIRE_GPU();
+  for (int64_t d : {32, 96}) {
+    BwdCase c;
+    c.n_q = c.n_kv = 64, c.head_dim = d;
+    Inputs x = make_inputs(c);
+    BackwardArgs a;
+    const Device gpu = Device::cuda(0);
+    a.q = x.q.view(x.q.bits.data(), c.dtype, gpu), a.k = x.k.view(x.k.bits.data(), c.dtype, gpu);
+    a.v = x.v.view(x.v.bits.data(), c.dtype, gpu), a.dout = x.dout.view(x.dout.bits.data(), c.dtype, gpu);
+    Stored dq(1, 2, 64, d, Layout::HND, false), dkv(1, 2, 64, d, Layout::HND, false);
+    a.dq = dq.view(dq.bits.data(), c.dtype, gpu);
+    a.dk = dkv.view(dkv.bits.data(), c.dtype, gpu);
+    a.dv = dkv.view(dkv.bits.data(), c.dtype, gpu);
+    a.recipe = preset("sagebwd");
+    try {
+      backward_workspace_bytes(a);
+      ADD_FAILURE() << "head_dim " << d << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.argument(), "q") << e.what();
+      EXPECT_NE(std::string(e.what()).find("head_dim " + std::to_string(d)), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace

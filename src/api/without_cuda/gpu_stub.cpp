@@ -40,6 +40,8 @@ size_t backward_workspace_bytes(const BackwardArgs&) { no_cuda(); }
 
 void attention_backward(const BackwardArgs&, void*, size_t, void*) { no_cuda(); }
 
+void attention_for_training(const AttentionArgs&, const TensorView&, void*, size_t, void*) { no_cuda(); }
+
 bool gpu_supports_backward(const Recipe&) { return false; }
 
 bool gpu_available() { return false; }

@@ -1,117 +1,122 @@
-// Step 8 of the backward and step 6's product: the INT8 MMAs of one tile.
-//   dV[key] += fmaf(float(sum_rows c(P) c(dO)), s_P,key * s_dO, dV)   (registers, per warp)
-//   dK[key] += fmaf(float(sum_rows c(dS) qcode), s_dS * q_scale, dK)   (registers, per warp)
-//   dQ[row] += float(sum_keys c(dS) kcode) * (s_dS * k_scale)          (fp32 atomics: the
-//              other K/V tiles' CTAs add into the same rows)
-// dV and dK: warp w's keys 16w .. 16w + 15 by D channels, C layout [n8 block][c].
-// dQ: warp w takes rows 16 (w % 4) .. + 15 and the channel half w / 4.
+// Step 8 of the backward and step 6's product: the INT8 MMAs of one tile, each tile's exact
+// s32 product scaled and added once (the contract's per-tile fmaf):
+//   dV[key] = fmaf(float(sum_rows c(P) c(dO)), s_P,key * s_dO, dV)   (registers, per warpgroup)
+//   dK[key] = fmaf(float(sum_rows c(dS) qcode), s_dS * q_scale, dK)   (registers)
+//   dQ[row] += float(sum_keys c(dS) kcode) * (s_dS * k_scale)         (fp32 atomics: the other
+//              K/V tiles' CTAs add into the same rows)
+// dV and dK: A from registers (quantize.cuh), B = dO^T / Q^T codes of the stage; in column
+// chunks of 64 (n = 64: the s32 product of a chunk is 32 registers beside the 2 x D/2 of dV
+// and dK). dQ: warpgroup c takes channels [c D/2, (c+1) D/2), A = the dS tile, B = K'^T.
 #pragma once
 
 #include <cstdint>
 
-#include "sm90/bwd/kernel_traits.h"
-#include "sm90/bwd/mma_sync.cuh"
+#include "common/ptx.cuh"
+#include "sm90/bwd/recompute.cuh"
+#include "sm90/bwd/smem.cuh"
+#include "sm90/mma/wgmma_ops.cuh"
 
 namespace sage::sm90::bwd {
 
-// One product of the tile, sum over the 64 rows of A[key][row] B[channel][row], for the
-// warp's 16 keys and the channels of half `half` (D / 2 at a time: with all D channels' s32
-// accumulators beside dV and dK, ptxas spilled at d = 128); fold(n8 block, c, acc) takes each
-// s32 sum.
-template <int D, class Fold>
-__device__ __forceinline__ void rows_product_half(const uint8_t* a_mat, const uint8_t* b_mat, int m0,
-                                                  int half, int lane, Fold fold) {
-  constexpr int kN = D / 16;
-  int32_t acc[kN][4];
+// Accumulator values per thread of dV or dK (64 keys x D over 128 threads).
+template <int D>
+constexpr int kGradAcc = D / 2;
+
+// Channels per product chunk: the s32 product of a chunk (kChunk / 2 registers) lives beside
+// dV and dK (2 x D/2), P^T's and dS^T's codes; 32 at d = 128 (64 spilled dV and dK there).
+template <int D>
+constexpr int kChunk = D >= 128 ? 32 : 64;
+
+// dV's chunks then dK's (job j < D / N is dV's chunk j, the others dK's). At d = 64 one
+// product is in flight while the previous one folds (two s32 buffers); at d = 128 that spilled
+// (120 bytes against 40), so there each product is waited for before the next is issued.
+template <int D>
+__device__ __forceinline__ void accumulate_dv_dk(const Smem<D>& s, int st, uint32_t (&pa)[2][4],
+                                                 const float (&p_scale)[2], float do_scale,
+                                                 uint32_t (&dsa)[2][4], float ds_q_scale,
+                                                 float (&dv)[kGradAcc<D>], float (&dk)[kGradAcc<D>]) {
+  constexpr int N = kChunk<D>, kAcc = N / 2, kChunks = D / N, kJobs = 2 * kChunks;
+  // s_P,key * s_dO (the contract's order), per key row g and g + 8.
+  const float pv_scale[2] = {__fmul_rn(p_scale[0], do_scale), __fmul_rn(p_scale[1], do_scale)};
+  int32_t prod[2][kAcc];
+  auto issue = [&](int j) {
+    int32_t(&acc)[kAcc] = prod[j & 1];
+    reg_fence(acc);
+    wgmma_fence();
+    if (j < kChunks) {
+      mma_s8_rs<N, false>(acc, pa[0], s.dot_desc(st, j * N, 0));
+      mma_s8_rs<N, true>(acc, pa[1], s.dot_desc(st, j * N, 1));
+    } else {
+      mma_s8_rs<N, false>(acc, dsa[0], s.qt_desc(st, (j - kChunks) * N, 0));
+      mma_s8_rs<N, true>(acc, dsa[1], s.qt_desc(st, (j - kChunks) * N, 1));
+    }
+    wgmma_commit();
+  };
+  constexpr bool kOverlap = D < 128;
+  reg_fence(pa);
+  reg_fence(dsa);
+  if constexpr (kOverlap) issue(0);
 #pragma unroll
-  for (int n = 0; n < kN; ++n)
+  for (int j = 0; j < kJobs; ++j) {
+    if constexpr (kOverlap) {
+      if (j + 1 < kJobs) {
+        issue(j + 1);
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+    } else {
+      issue(j);
+      wgmma_wait<0>();
+    }
+    int32_t(&acc)[kAcc] = prod[j & 1];
+    reg_fence(acc);
+    // Accumulator index x of the chunk: channel 8 (x / 4) + 2t + (x & 1) of it, the same
+    // index kAcc n + x of dV / dK (whose layout is m64nD's: index 4j + e, channel 8j + ...).
+    const int n = j < kChunks ? j : j - kChunks;
 #pragma unroll
-    for (int c = 0; c < 4; ++c) acc[n][c] = 0;
-#pragma unroll
-  for (int k0 = 0; k0 < kBlockQ; k0 += 32) {
-    uint32_t a[4];
-    load_a8(a, a_mat, kBlockQ, m0, k0, lane);
-#pragma unroll
-    for (int n = 0; n < kN; ++n) {
-      uint32_t b[2];
-      load_b8(b, b_mat, kBlockQ, half * (D / 2) + 8 * n, k0, lane);
-      mma_s8(acc[n], a, b);
+    for (int x = 0; x < kAcc; ++x) {
+      float& y = j < kChunks ? dv[kAcc * n + x] : dk[kAcc * n + x];
+      y = __fmaf_rn(small_int_to_float(acc[x]), j < kChunks ? pv_scale[(x % 4) / 2] : ds_q_scale, y);
     }
   }
-#pragma unroll
-  for (int n = 0; n < kN; ++n)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) fold(half * kN + n, c, acc[n][c]);
+  reg_fence(pa);
+  reg_fence(dsa);
 }
 
-// Where a warp keeps its dK accumulator: registers at d = 64; shared memory from d = 128,
-// where dV, dK, P, dS and the tile's products in registers made ptxas spill (255 registers).
-// In shared memory each thread owns its elements, stored in register order with the lane
-// fastest ([warp][n8 block][c][lane]: no bank conflicts, no synchronization).
-template <int D>
-struct DkAccumulator {
-  static constexpr bool kShared = D >= 128;
-  float reg[kShared ? 1 : D / 8][4];
-  float* shared;  // kShared: this warp's [D / 8][4][32] floats
-  __device__ __forceinline__ float& at(int n, int c, int lane) {
-    if constexpr (kShared) return shared[(n * 4 + c) * 32 + lane];
-    else return reg[n][c];
-  }
-};
-
-template <int D>
-__device__ __forceinline__ void accumulate_dv_dk(const uint8_t* smem, int warp, int lane,
-                                                 float do_scale, float ds_q_scale,
-                                                 float (&dv)[D / 8][4], DkAccumulator<D>& dk) {
-  constexpr SmemLayout L = smem_layout(D);
-  const int m0 = 16 * warp, g = lane / 4;
-  const float* p_scale = reinterpret_cast<const float*>(smem + L.p_scale);
-  // s_P,key * s_dO (the contract's order), per row g and g + 8 of the C layout.
-  const float pv_scale[2] = {__fmul_rn(p_scale[m0 + g], do_scale), __fmul_rn(p_scale[m0 + g + 8], do_scale)};
-#pragma unroll
-  for (int half = 0; half < 2; ++half)
-    rows_product_half<D>(smem + L.pt8, smem + L.dot8, m0, half, lane, [&](int n, int c, int32_t x) {
-      dv[n][c] = __fmaf_rn(float(x), pv_scale[c / 2], dv[n][c]);
-    });
-#pragma unroll
-  for (int half = 0; half < 2; ++half)
-    rows_product_half<D>(smem + L.dst8, smem + L.qt8, m0, half, lane, [&](int n, int c, int32_t x) {
-      float& y = dk.at(n, c, lane);
-      y = __fmaf_rn(float(x), ds_q_scale, y);
-    });
+__device__ __forceinline__ void atomic_add2(float* at, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(at), make_float2(x, y));
+#else
+  atomicAdd(at, x);
+  atomicAdd(at + 1, y);
+#endif
 }
 
-// dQ of the tile into the fp32 accumulator rows of (bh, i0 ..).
+// dQ of the tile into the fp32 accumulator rows of (bh, i0 ..): `rows` of them are real.
 template <int D>
-__device__ __forceinline__ void accumulate_dq(const uint8_t* smem, int warp, int lane, float ds_k_scale,
+__device__ __forceinline__ void accumulate_dq(const Smem<D>& s, const ConsumerThread& th, float ds_k_scale,
                                               float* dq_rows, int rows) {
-  constexpr SmemLayout L = smem_layout(D);
-  constexpr int kN = D / 2 / 8;  // n8 blocks of the warp's channel half
-  const int m0 = 16 * (warp % 4), c0 = (warp / 4) * (D / 2);
-  const int g = lane / 4, t = lane % 4;
-  int32_t acc[kN][4];
+  constexpr int kN = D / 2;
+  int32_t acc[kN / 2];
+  reg_fence(acc);
+  wgmma_fence();
 #pragma unroll
-  for (int n = 0; n < kN; ++n)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) acc[n][c] = 0;
-#pragma unroll
-  for (int k0 = 0; k0 < kBlockKV; k0 += 32) {
-    uint32_t a[4];
-    load_a8(a, smem + L.ds8, kBlockKV, m0, k0, lane);
-#pragma unroll
-    for (int n = 0; n < kN; ++n) {
-      uint32_t b[2];
-      load_b8(b, smem + L.kt8, kBlockKV, c0 + 8 * n, k0, lane);
-      mma_s8(acc[n], a, b);
-    }
+  for (int ks = 0; ks < kBlockKV / 32; ++ks) {
+    if (ks == 0) mma_s8_ss<kN, false>(acc, s.ds_desc(ks), s.kt_desc(th.c, ks));
+    else mma_s8_ss<kN, true>(acc, s.ds_desc(ks), s.kt_desc(th.c, ks));
   }
+  wgmma_commit();
+  wgmma_wait<0>();
+  reg_fence(acc);
 #pragma unroll
-  for (int n = 0; n < kN; ++n)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int a = m0 + g + (c >= 2 ? 8 : 0), ch = c0 + 8 * n + 2 * t + (c & 1);
-      if (a < rows && acc[n][c] != 0) atomicAdd(dq_rows + (int64_t)a * D + ch, __fmul_rn(float(acc[n][c]), ds_k_scale));
-    }
+  for (int x = 0; x < kN / 2; x += 2) {
+    const int row = 16 * th.w + th.g + ((x % 4) >= 2 ? 8 : 0);
+    const int ch = th.c * kN + 8 * (x / 4) + 2 * th.t;
+    if (row < rows && (acc[x] != 0 || acc[x + 1] != 0))
+      atomic_add2(dq_rows + (int64_t)row * D + ch, __fmul_rn(small_int_to_float(acc[x]), ds_k_scale),
+                  __fmul_rn(small_int_to_float(acc[x + 1]), ds_k_scale));
+  }
 }
 
 }  // namespace sage::sm90::bwd

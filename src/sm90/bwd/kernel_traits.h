@@ -1,6 +1,13 @@
 // The one place where the backward kernel's shape is decided (docs/numerics.md, "The backward",
-// "Tiles"): 64 Q rows x 128 keys per tile at every head dim, one CTA per (K/V tile, query head)
-// looping over the Q tiles, eight warps, and the shared-memory layout of one CTA.
+// "Tiles"; docs/design.md, "The backward kernel"): 64 Q rows x 128 keys per tile, one CTA per
+// (128-key K/V tile, query head) looping over the Q tiles, warp-specialized like the forward:
+//   warpgroup 0   the producer: one thread streams the CTA's K/V tile once and each Q tile's
+//                 operands through a ring of kStages stages with TMA;
+//   warpgroups 1, 2   consumers: warpgroup c owns keys [64c, 64c + 64) of the tile for S^T,
+//                 dP^T, dV and dK (m64 of every warpgroup MMA: keys are the MMA's m), and
+//                 channels [c D/2, (c+1) D/2) of the tile's dQ.
+// dV and dK stay in registers across the Q loop: 64 keys x D per warpgroup, D/2 + D/2 floats
+// a thread (128 at d = 128), under the consumers' setmaxnreg budget of 240.
 //
 // Plain constexpr C++ (no CUDA headers), like fwd/kernel_traits.h: the host dispatch sizes the
 // launch and the workspace from the same answers as the kernel.
@@ -12,63 +19,106 @@ namespace sage::sm90::bwd {
 
 constexpr int kBlockQ = 64;    // Q rows per backward tile (one dO / dS scale group)
 constexpr int kBlockKV = 128;  // keys per CTA: the forward's K/V tile (its K and V scales)
-constexpr int kWarps = 8;      // warp w owns keys [16w, 16w + 16) for S^T, dP^T, dV and dK
-constexpr int kThreads = 32 * kWarps;
-static_assert(kBlockKV == 16 * kWarps, "one m16 slice of keys per warp");
+constexpr int kConsumers = 2;  // consumer warpgroups, 64 keys each
+constexpr int kKeysPerWarpgroup = kBlockKV / kConsumers;
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kStages = 2;     // Q-tile ring depth (3 fits at d = 128 too: see smem_layout)
+constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = (kLaunchRegs * kThreads - kProducerRegs * 128) / (128 * kConsumers) / 8 * 8;  // 240
+static_assert(kKeysPerWarpgroup == 64, "one m64 warpgroup MMA of keys per consumer");
+static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= kLaunchRegs * kThreads,
+              "setmaxnreg budgets within the launch allocation");
+
+// The pre-pass (prep.cuh) writes the 64-row tiles of the transposed operands Q^T and dO^T
+// (dK's and dV's B, [channel][row]) with the rows of each 32-row k slice permuted, so that the
+// A operand P^T (dS^T) can be taken straight from the S^T (dP^T) accumulator without a shuffle:
+// an INT8 wgmma A register holds k = 4t .. 4t + 3 (+16 for a[2], a[3]) while the accumulator
+// holds rows 8j + 2t, 8j + 2t + 1 of chunks j. The sum over k of exact s32 products does not
+// depend on the order, so permuting both operands' k alike changes no bit.
+// Column kp (0..31) of a slice holds row kp_row(kp) of the slice.
+constexpr int kp_row(int kp) {
+  return 8 * (2 * (kp >> 4) + ((kp & 3) >> 1)) + 2 * ((kp >> 2) & 3) + (kp & 1);
+}
+// The same for dQ's k axis (the tile's 128 keys): the dS tile is stored [row][key position]
+// from the dS^T accumulator in 16-bit pairs (keys g and g + 8 of a warp's 16), and K^T
+// [channel][key position] with the same order. Key position kp holds key kp_key(kp).
+constexpr int kp_key(int kp) { return (kp & ~15) + ((kp & 15) >> 1) + 8 * (kp & 1); }
 
 // backward_tile_config (numerics/tile.h) is the contract's; the kernel is built on it.
 constexpr bool tiles_match_the_contract(int d) {
   return backward_tile_config(d).block_q == kBlockQ && backward_tile_config(d).block_kv == kBlockKV;
 }
 
-// Byte offsets of one CTA's shared memory. Every matrix is stored with its MMA's k axis
-// contiguous (row-major [m][k] for A, [n][k] for B), so that each fragment register is one
-// aligned 32-bit load (int8: 4 codes; 16-bit: 2 values).
+// Whether the backward has a kernel at a head dim: 64 and 128 (K' rows of exactly D bytes in
+// the forward's workspace, quant/kv_layout.h; dK and dV in registers). Others are refused by
+// name (api/backward.cu).
+constexpr bool backward_has_kernel(int d) { return d == 64 || d == 128; }
+
+// Byte offsets of one CTA's shared memory. Every MMA operand is K-major and swizzled as TMA
+// writes it and the wgmma descriptor reads it (1024-byte aligned tiles):
+//   K' codes [128 keys][D]         D-byte rows: 128B swizzle at d = 128, 64B at d = 64
+//   K'^T codes [D][128 key pos]    128B (built by the consumers from K', kp_key order)
+//   V [128 keys][D] 16-bit         D / 64 column blocks of [128][64 elements], 128B
+//   dS codes [64 rows][128 key pos]  128B (written by the consumers, dQ's A)
+// and per stage:
+//   Q codes [64][D]                as K'
+//   Q^T codes [D][64 row pos]      64B (kp_row order)
+//   dO [64][D] 16-bit              D / 64 column blocks of [64][64 elements], 128B
+//   dO^T codes [D][64 row pos]     64B (kp_row order)
+//   L2 [64], D [64] floats         the rows' base-2 log-sum and dO . O
+struct StageLayout {
+  int q8, qt8, dout, dot8, l2, delta, bytes;
+};
 struct SmemLayout {
-  int k8;     // [128 keys][D] int8: K' codes of the tile (S^T's A)
-  int kt8;    // [D][128 keys] int8: the same, transposed (dQ's B)
-  int v;      // [128 keys][D] 16-bit: V (dP^T's A)
-  int q8;     // [64 rows][D] int8: Q codes (S^T's B)
-  int qt8;    // [D][64 rows] int8 (dK's B)
-  int dout;   // [64 rows][D] 16-bit: dO (dP^T's B)
-  int dot8;   // [D][64 rows] int8: dO codes (dV's B)
-  int pt8;    // [128 keys][64 rows] int8: P codes (dV's A)
-  int dst8;   // [128 keys][64 rows] int8: dS codes (dK's A)
-  int ds8;    // [64 rows][128 keys] int8: dS codes (dQ's A)
-  int p_scale;  // [128] float: P's scale per key
-  int l2;       // [64] float: the rows' L2
-  int delta;    // [64] float: the rows' D
-  int red;      // [kWarps] float: block reductions
-  int dk;       // from d = 128: the warps' dK accumulators, [128 keys][D] float (accumulate.cuh)
+  int k8, kt8, v, ds8;
+  StageLayout stage;
+  int stages;       // offset of stage 0; stage s at stages + s * stage.bytes
+  int red;          // [2 parities][8 warps] float: the dS tile's amax
+  int bars;         // full[kStages], empty[kStages], kv_full: uint64_t each
   int total;
 };
+
+constexpr int align1k(int x) { return (x + 1023) / 1024 * 1024; }
 
 constexpr SmemLayout smem_layout(int d) {
   SmemLayout s{};
   int off = 0;
   auto take = [&off](int bytes) {
     const int at = off;
-    off += (bytes + 127) / 128 * 128;
+    off = align1k(off + bytes);
     return at;
   };
   s.k8 = take(kBlockKV * d);
-  s.kt8 = take(kBlockKV * d);
+  s.kt8 = take(d * kBlockKV);
   s.v = take(kBlockKV * d * 2);
-  s.q8 = take(kBlockQ * d);
-  s.qt8 = take(kBlockQ * d);
-  s.dout = take(kBlockQ * d * 2);
-  s.dot8 = take(kBlockQ * d);
-  s.pt8 = take(kBlockKV * kBlockQ);
-  s.dst8 = take(kBlockKV * kBlockQ);
-  s.ds8 = take(kBlockKV * kBlockQ);
-  s.p_scale = take(kBlockKV * 4);
-  s.l2 = take(kBlockQ * 4);
-  s.delta = take(kBlockQ * 4);
-  s.red = take(kWarps * 4);
-  s.dk = take(d >= 128 ? kBlockKV * d * 4 : 0);
-  s.total = off;
+  s.ds8 = take(kBlockQ * kBlockKV);
+  int st = 0;
+  auto take_stage = [&st](int bytes, int align) {
+    st = (st + align - 1) / align * align;
+    const int at = st;
+    st += bytes;
+    return at;
+  };
+  s.stage.q8 = take_stage(kBlockQ * d, 1024);
+  s.stage.qt8 = take_stage(d * kBlockQ, 1024);
+  s.stage.dout = take_stage(kBlockQ * d * 2, 1024);
+  s.stage.dot8 = take_stage(d * kBlockQ, 1024);
+  s.stage.l2 = take_stage(kBlockQ * 4, 128);
+  s.stage.delta = take_stage(kBlockQ * 4, 128);
+  s.stage.bytes = align1k(st);
+  s.stages = off;
+  off += kStages * s.stage.bytes;
+  s.red = take(2 * 8 * 4);
+  s.bars = off;
+  off += (2 * kStages + 1) * 8;
+  s.total = align1k(off);
   return s;
 }
+// Bytes the producer's TMA writes per Q stage and once per CTA (the barriers' transactions).
+constexpr int stage_tx_bytes(int d) { return 5 * kBlockQ * d + 2 * kBlockQ * 4; }
+constexpr int kv_tx_bytes(int d) { return 3 * kBlockKV * d; }
+
 static_assert(smem_layout(128).total <= 227 * 1024, "fits an H100 CTA");
 static_assert(tiles_match_the_contract(64) && tiles_match_the_contract(128), "backward tiles");
 

@@ -12,6 +12,7 @@
 #include "sm90/bwd/finalize.cuh"
 #include "sm90/bwd/kernel.cuh"
 #include "sm90/bwd/prep.cuh"
+#include "sm90/bwd/tma_maps.h"
 
 namespace sage::sm90::bwd {
 
@@ -21,23 +22,25 @@ inline unsigned finalize_blocks(int64_t total) {
 
 template <int D, class T>
 void launch_backward(const BackwardParams& p, cudaStream_t stream) {
+  static_assert(backward_has_kernel(D), "the backward kernel exists at d = 64 and 128");
   if (p.batch == 0 || p.heads_q == 0) return;
   cudaError_t err = cudaSuccess;
   if (p.n_q > 0) {
-    backward_prep_kernel<D, T><<<dim3(p.n_q_pad / kBlockQ, p.heads_q, p.batch), kThreads, 0, stream>>>(p);
+    backward_prep_kernel<D, T><<<dim3(p.n_q_pad / kBlockQ, p.heads_q, p.batch), kPrepThreads, 0, stream>>>(p);
     err = cudaGetLastError();
     if (err != cudaSuccess) throw_cuda("backward pre-pass launch", err);
   }
   if (p.n_q > 0 && p.n_kv > 0) {
+    const BackwardMaps maps = make_backward_maps(p, D);
     auto* kernel = backward_kernel<D, T>;
-    constexpr int smem = smem_layout(D).total;
+    constexpr int smem = smem_layout(D).total + 1024;  // + the alignment slack
     static std::once_flag attribute_set;
     static cudaError_t attribute_error = cudaSuccess;
     std::call_once(attribute_set, [&] {
       attribute_error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     });
     if (attribute_error != cudaSuccess) throw_cuda("cudaFuncSetAttribute(backward)", attribute_error);
-    kernel<<<dim3(p.n_pad / kBlockKV, p.heads_q, p.batch), kThreads, smem, stream>>>(p);
+    kernel<<<dim3(p.n_pad / kBlockKV, p.heads_q, p.batch), kThreads, smem, stream>>>(maps, p);
     err = cudaGetLastError();
     if (err != cudaSuccess) throw_cuda("backward launch", err);
   }

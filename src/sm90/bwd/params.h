@@ -29,13 +29,19 @@ struct BackwardParams {
   const float* k_scale;
   // Written by the forward: L2 per row [bh, n_q].
   const float* lse2;
-  // Written by the pre-pass (prep.cuh): D per row [bh, n_q]; Q codes [bh, n_q_pad, D] with one
-  // scale per backward Q tile [bh, n_q_pad / 64] (its forward block's); dO codes and scales,
-  // the same shapes.
+  // Written by the pre-pass (prep.cuh), every row array padded to n_q_pad rows per head so that
+  // each 64-row tile is one TMA box or bulk copy:
+  //   l2p, delta [bh, n_q_pad]: L2 (-inf past n_q) and D_i (0 past n_q);
+  //   q8 [bh, n_q_pad, D]: Q codes, one scale per backward Q tile [bh, n_q_pad / 64] (its
+  //   forward block's); q8t [bh, D, n_q_pad]: the same codes transposed, each 32-row slice's
+  //   rows in kp_row order (kernel_traits.h);
+  //   do8t [bh, D, n_q_pad]: dO codes, transposed and permuted alike, one scale per tile.
+  float* l2p;
   float* delta;
   int8_t* q8;
+  int8_t* q8t;
   float* q_scale;
-  int8_t* do8;
+  int8_t* do8t;
   float* do_scale;
   // fp32 accumulators, zeroed before the kernel: dQ unscaled [bh, n_q, D]; dK (times sm_scale)
   // and dV [kvh, n_kv, D], summed over the group's query heads.

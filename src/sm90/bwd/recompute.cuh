@@ -1,24 +1,30 @@
-// Steps 3-5 of the backward (docs/numerics.md, "The backward", "Steps") for one warp's 16 keys
-// against the Q tile's 64 rows, in the transposed orientation (keys are the MMA's m):
-//   S^T = K' Q^T with the INT8 codes (exact s32),
-//   P   = exp2f(fmaf(float(acc), mult, -L2_i))  (0 where the row does not see the key, or has
-//         no keys: L2 = -inf),
-//   dP^T = V dO^T with 16-bit operands and an fp32 accumulator,
-//   dS  = P * (dP - D_i).
-// The results stay in the C layout: [n8 block j][c], key 16w + g (+8 for c >= 2), row 8j + 2t
-// (+1 for odd c).
+// Steps 3-5 of the backward (docs/numerics.md, "The backward", "Steps") for a consumer
+// warpgroup's 64 keys against the Q tile's 64 rows, in the transposed orientation (keys are
+// the warpgroup MMA's m, rows its n):
+//   S^T  = K' Q^T with the INT8 codes (exact s32; wgmma m64n64k32, both operands in shared),
+//   dP^T = V dO^T with 16-bit operands and an fp32 accumulator (wgmma m64n64k16),
+//   P    = exp2f(fmaf(float(acc), mult, -L2_i))  (0 where the row does not see the key, or
+//          has no keys: L2 = -inf),
+//   dS   = P * (dP - D_i).
+// The results stay in the accumulator layout (fragment.cuh): index 4j + e is key
+// 16 warp + g (+8 for e >= 2) of the warpgroup's 64 and row 8j + 2t + (e & 1) of the tile.
 #pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
-#include "numerics/quant_rules.h"
+#include "common/ptx.cuh"
 #include "sm90/bwd/kernel_traits.h"
-#include "sm90/bwd/mma_sync.cuh"
+#include "sm90/bwd/smem.cuh"
+#include "sm90/mma/wgmma_ops.cuh"
 
 namespace sage::sm90::bwd {
 
-constexpr int kRowBlocks = kBlockQ / 8;  // n8 blocks over the Q tile's rows
+constexpr int kTileAcc = kBlockQ / 2;  // accumulator values per thread of a 64 x 64 product
 
 // The keys [0, visible) that row i sees (bottom-right causal, as the forward).
 __device__ __forceinline__ int visible_keys(int i, int n_q, int n_kv, bool causal) {
@@ -26,60 +32,87 @@ __device__ __forceinline__ int visible_keys(int i, int n_q, int n_kv, bool causa
   return min(max(i + n_kv - n_q + 1, 0), n_kv);
 }
 
+// Where a consumer thread sits: warpgroup c (0, 1), warp w of it, g and t of its lane.
+struct ConsumerThread {
+  int c, w, g, t, lane;
+};
+
+// Issues S^T (one commit group).
+template <int D>
+__device__ __forceinline__ void issue_s(const Smem<D>& s, int c, int st, int32_t (&sacc)[kTileAcc]) {
+  reg_fence(sacc);
+  wgmma_fence();
+#pragma unroll
+  for (int kc = 0; kc < D / 32; ++kc) {
+    if (kc == 0) mma_s8_ss<64, false>(sacc, s.k_desc(c, kc), s.q_desc(st, kc));
+    else mma_s8_ss<64, true>(sacc, s.k_desc(c, kc), s.q_desc(st, kc));
+  }
+  wgmma_commit();
+}
+
+// Issues dP^T (one commit group). At d = 128 after S^T's wait (kDpWithS): S^T's 32 s32
+// registers become P's before dP^T's 32 are taken (beside dV and dK's 2 x D/2, S^T, P and dP^T
+// all live at once spilled there), and P's quantization runs under this MMA; at d = 64 right
+// after S^T.
 template <int D, class T>
-__device__ __forceinline__ void recompute_p_ds(const uint8_t* smem, int warp, int lane, int i0,
-                                               int j0, int n_q, int n_kv, bool causal, float mult,
-                                               float (&pv)[kRowBlocks][4], float (&ds)[kRowBlocks][4]) {
-  constexpr SmemLayout L = smem_layout(D);
-  const int m0 = 16 * warp;
-  int32_t s[kRowBlocks][4];
-  float dp[kRowBlocks][4];
+__device__ __forceinline__ void issue_dp(const Smem<D>& s, int c, int st, float (&dp)[kTileAcc]) {
+  reg_fence(dp);
+  wgmma_fence();
 #pragma unroll
-  for (int j = 0; j < kRowBlocks; ++j)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) s[j][c] = 0, dp[j][c] = 0.f;
-#pragma unroll
-  for (int k0 = 0; k0 < D; k0 += 32) {
-    uint32_t a[4];
-    load_a8(a, smem + L.k8, D, m0, k0, lane);
-#pragma unroll
-    for (int j = 0; j < kRowBlocks; ++j) {
-      uint32_t bf[2];
-      load_b8(bf, smem + L.q8, D, 8 * j, k0, lane);
-      mma_s8(s[j], a, bf);
+  for (int kc = 0; kc < D / 16; ++kc) {
+    if constexpr (std::is_same_v<T, __half>) {
+      if (kc == 0) mma_f16_f32acc_ss<64, false>(dp, s.v_desc(c, kc), s.dout_desc(st, kc));
+      else mma_f16_f32acc_ss<64, true>(dp, s.v_desc(c, kc), s.dout_desc(st, kc));
+    } else {
+      if (kc == 0) mma_bf16_f32acc_ss<64, false>(dp, s.v_desc(c, kc), s.dout_desc(st, kc));
+      else mma_bf16_f32acc_ss<64, true>(dp, s.v_desc(c, kc), s.dout_desc(st, kc));
     }
   }
+  wgmma_commit();
+}
+
+// Whether dP^T is issued right after S^T (in flight while P is made): at d = 64, where the
+// registers allow S^T, P and dP^T at once beside dV and dK. At d = 128 dP^T waits for P.
+template <int D>
+constexpr bool kDpWithS = D < 128;
+
+// Waits for S^T (with dP^T still in flight where kDpWithS) and makes P (as floats in pv).
+template <int D>
+__device__ __forceinline__ void recompute_p(const Smem<D>& s, const ConsumerThread& th, int st, int i0, int key0,
+                                            int n_q, int n_kv, bool causal, float mult,
+                                            int32_t (&sacc)[kTileAcc], float (&pv)[kTileAcc]) {
+  if constexpr (kDpWithS<D>) wgmma_wait<1>();
+  else wgmma_wait<0>();
+  reg_fence(sacc);
+  const float* l2 = s.l2(st);
+  // Key k of row i is seen iff k < visible_keys(i): k - i < n_kv - n_q + 1 under the causal
+  // mask, and k < n_kv.
+  const int key_w = key0 + 16 * th.w + th.g;
+  const int diag = causal ? n_kv - n_q + 1 : n_kv + kBlockQ;  // k - i below this is seen
 #pragma unroll
-  for (int k0 = 0; k0 < D; k0 += 16) {
-    uint32_t a[4];
-    load_a16(a, smem + L.v, D, m0, k0, lane);
-#pragma unroll
-    for (int j = 0; j < kRowBlocks; ++j) {
-      uint32_t bf[2];
-      load_b16(bf, smem + L.dout, D, 8 * j, k0, lane);
-      mma_16bit<T>(dp[j], a, bf);
-    }
+  for (int x = 0; x < kTileAcc; ++x) {
+    const int e = x % 4;
+    const int key = key_w + (e >= 2 ? 8 : 0);
+    const int a = 8 * (x / 4) + 2 * th.t + (e & 1);
+    const float row_l2 = l2[a];
+    const bool seen = i0 + a < n_q && key < n_kv && key - (i0 + a) < diag && row_l2 != -INFINITY;
+    pv[x] = seen ? exp2f(__fmaf_rn(small_int_to_float(sacc[x]), mult, -row_l2)) : 0.f;
   }
-  const float* l2 = reinterpret_cast<const float*>(smem + L.l2);
-  const float* delta = reinterpret_cast<const float*>(smem + L.delta);
-  const int g = lane / 4, t = lane % 4;
+}
+
+// Waits for dP^T and makes dS in place of dp.
+template <int D>
+__device__ __forceinline__ void recompute_ds(const Smem<D>& s, const ConsumerThread& th, int st,
+                                             const float (&pv)[kTileAcc], float (&dp)[kTileAcc]) {
+  wgmma_wait<0>();
+  reg_fence(dp);
+  const float* delta = s.delta(st);
 #pragma unroll
-  for (int j = 0; j < kRowBlocks; ++j)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int key = j0 + m0 + g + (c >= 2 ? 8 : 0);
-      const int a = 8 * j + 2 * t + (c & 1);
-      const int i = i0 + a;
-      const float row_l2 = l2[a];
-      const bool seen = i < n_q && key < visible_keys(i, n_q, n_kv, causal) && row_l2 != -INFINITY;
-      float p = 0.f, d = 0.f;
-      if (seen) {
-        p = exp2f(__fmaf_rn(float(s[j][c]), mult, -row_l2));
-        d = __fmul_rn(p, __fsub_rn(dp[j][c], delta[a]));
-      }
-      pv[j][c] = p;
-      ds[j][c] = d;
-    }
+  for (int x = 0; x < kTileAcc; ++x) {
+    const int a = 8 * (x / 4) + 2 * th.t + (x & 1);
+    // pv is 0 where the row does not see the key: dS is 0 there too.
+    dp[x] = pv[x] == 0.f ? 0.f : __fmul_rn(pv[x], __fsub_rn(dp[x], delta[a]));
+  }
 }
 
 }  // namespace sage::sm90::bwd

@@ -48,6 +48,20 @@ uint64_t q_stride_bytes(int64_t stride, int extent) {
 
 }  // namespace
 
+CUtensorMap encode_tensor_map(CUtensorMapDataType type, cuuint32_t rank, void* base, const cuuint64_t* dims,
+                              const cuuint64_t* strides, const cuuint32_t* box, CUtensorMapSwizzle swizzle,
+                              const char* what) {
+  CUtensorMap map;
+  const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
+  const CUresult r = encode_fn()(&map, type, rank, base, dims, strides, box, elem_strides,
+                                 CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw CudaError(std::string("cuTensorMapEncodeTiled (") + what + ") failed with CUresult " +
+                    std::to_string(int(r)));
+  return map;
+}
+
 bool q_tma_compatible(const AttentionParams& p) {
   auto ok = [](int64_t stride, int extent) { return extent <= 1 || (stride > 0 && stride % 8 == 0); };
   return reinterpret_cast<uintptr_t>(p.q) % 16 == 0 && ok(p.q_stride_n, p.n_q) &&

@@ -23,4 +23,11 @@ bool q_tma_compatible(const AttentionParams& p);
 
 AttentionMaps make_attention_maps(const AttentionParams& p, int head_dim, int v_bytes);
 
+// cuTensorMapEncodeTiled through the run-time driver entry point, elements strides 1, no
+// interleave, L2 promotion 256B, no OOB fill (zeros); throws CudaError naming `what` on failure.
+// Shared with the backward's maps (sm90/bwd/tma_maps.cu).
+CUtensorMap encode_tensor_map(CUtensorMapDataType type, cuuint32_t rank, void* base, const cuuint64_t* dims,
+                              const cuuint64_t* strides, const cuuint32_t* box, CUtensorMapSwizzle swizzle,
+                              const char* what);
+
 }  // namespace sage::sm90
