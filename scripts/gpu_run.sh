@@ -32,9 +32,18 @@ if has test; then
   log gpu tests
   # TEST_FILTER (a gtest filter) splits the suite over calls: with every head dim it runs
   # ~11 minutes on an H100, past one call's 10.
-  (cd $BUILD && timeout ${TEST_TIMEOUT:-300} ./tests/sage_tests_gpu --gtest_filter="${TEST_FILTER:-*}" 2>&1) \
-    > "$OUT/gpu_tests.log"
-  grep -E "^\[  (PASSED|FAILED)|FAILED|tests ran" "$OUT/gpu_tests.log" | tail -20
+  # TEST_GROUPS="filter@seconds;filter@seconds" runs each filter under its own time limit
+  # (in that order, into one log), so a hang in one group cannot take the whole call.
+  groups=${TEST_GROUPS:-"${TEST_FILTER:-*}@${TEST_TIMEOUT:-300}"}
+  : > "$OUT/gpu_tests.log"
+  IFS=';' read -r -a group_list <<< "$groups"
+  for group in "${group_list[@]}"; do
+    filter=${group%@*} limit=${group##*@}
+    echo "-- group $filter (limit ${limit} s)" | tee -a "$OUT/gpu_tests.log"
+    (cd $BUILD && timeout "$limit" ./tests/sage_tests_gpu --gtest_filter="$filter" 2>&1) >> "$OUT/gpu_tests.log"
+    echo "-- group exit $?" | tee -a "$OUT/gpu_tests.log"
+  done
+  grep -E "^-- group|^\[  (PASSED|FAILED)|FAILED|tests ran" "$OUT/gpu_tests.log" | tail -40
   grep -E "^\[metrics\]" "$OUT/gpu_tests.log" | awk '{print}' | sort -t'|' -k2 | tail -3
 fi
 if has sanitize; then
