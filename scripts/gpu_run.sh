@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizers, Python package, benchmark.
-# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [timingmodes] [profile] [digest] [ab] [dist] [distbench] [dimbench] [bwdbench] [parity]
+# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [timingmodes] [profile] [digest] [ab] [dist] [distbench] [dimbench] [varlenbench] [bwdbench] [parity]
 # Results land in $OUT (at most 8 files come back): logs, JSON and Markdown.
 # bench: BENCH_RUNS runs of the grid (default 3), merged into $OUT/h100.{json,md} by their
 # per-point median (bench/merge_runs.py).
@@ -236,6 +236,12 @@ if has dimbench; then
   python3 bench/bench_sdpa.py --dims "${DIMS:-64,96,128,256}" --ns "${NS:-1024,2048,4096,16384}" \
     --heads 0 --recipe "${RECIPE:-sage2_8b}" --no-kernel-only --iters ${ITERS:-10} \
     --json "$OUT/h100_dims.json" --markdown "$OUT/h100_dims.md" 2>&1 | grep -E "^\[|failed" | tail -40
+fi
+if has varlenbench; then
+  # Issue 34's packed-batch bar: 32 sequences of lengths uniform in [128, 8192], d 128.
+  log packed variable-length batch
+  python3 bench/bench_varlen.py --json "$OUT/h100_varlen.json" --markdown "$OUT/h100_varlen.md" 2>&1 |
+    grep -vi warn | tail -20
 fi
 if has bwdbench; then
   # Issue 33: SageBwd's gradients against float64 beside SDPA bf16, and fwd/bwd/fwd+bwd speed.
