@@ -19,12 +19,12 @@ import argparse
 import ast
 import json
 import math
-import os
+
 import sysconfig
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -108,11 +108,25 @@ def attention_function(name: str) -> Callable:
     """q, k, v [B, H, N, D] -> causal attention output."""
     if name == "sdpa":
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if name == "sagebwd":
-        import sagekit
+    if name not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)} (got {name!r})")
+    import sagekit
 
-        return lambda q, k, v: sagekit.sageattn(q, k, v, is_causal=True, recipe="sagebwd")
-    raise ValueError(f"attention must be 'sdpa' or 'sagebwd' (got {name!r})")
+    def sage(q, k, v):
+        return sagekit.sageattn(q, k, v, is_causal=True, recipe="sagebwd")
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    if name == "sagebwd":
+        return sage
+    # Diagnostics that split a gap between the passes: one pass's values, the other's gradients.
+    if name == "sagebwd_fwd_only":  # sagebwd's output, SDPA's gradients
+        return lambda q, k, v: (lambda ref: ref + (sage(q, k, v) - ref).detach())(sdpa(q, k, v))
+    return lambda q, k, v: (lambda out: out + (sdpa(q, k, v) - out).detach())(sage(q, k, v))
+
+
+ATTENTIONS = ("sdpa", "sagebwd", "sagebwd_fwd_only", "sagebwd_bwd_only")
 
 
 class Block(nn.Module):
@@ -276,7 +290,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--plot")
-    p.add_argument("--attentions", default="sdpa,sagebwd", help="the first is the baseline")
+    p.add_argument("--attentions", default="sdpa,sagebwd",
+                   help="the first is the baseline; of " + ", ".join(ATTENTIONS) + " (the _only "
+                   "ones take one pass from sagebwd and the other from SDPA: diagnostics)")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--finetune-steps", type=int, default=500)
     p.add_argument("--layers", type=int, default=6)
