@@ -123,10 +123,33 @@ def attention_function(name: str) -> Callable:
     # Diagnostics that split a gap between the passes: one pass's values, the other's gradients.
     if name == "sagebwd_fwd_only":  # sagebwd's output, SDPA's gradients
         return lambda q, k, v: (lambda ref: ref + (sage(q, k, v) - ref).detach())(sdpa(q, k, v))
-    return lambda q, k, v: (lambda out: out + (sdpa(q, k, v) - out).detach())(sage(q, k, v))
+    if name == "sagebwd_bwd_only":  # SDPA's output, sagebwd's gradients
+        return lambda q, k, v: (lambda out: out + (sdpa(q, k, v) - out).detach())(sage(q, k, v))
+    # ... and between the gradients: SDPA's output and gradients but one of dq, dk, dv.
+    from_sage = tuple(g == name[len("sagebwd_"):-len("_only")] for g in ("dq", "dk", "dv"))
+    return lambda q, k, v: _MixedGradients.apply(q, k, v, sdpa, sage, from_sage)
 
 
-ATTENTIONS = ("sdpa", "sagebwd", "sagebwd_fwd_only", "sagebwd_bwd_only")
+ATTENTIONS = ("sdpa", "sagebwd", "sagebwd_fwd_only", "sagebwd_bwd_only", "sagebwd_dq_only",
+              "sagebwd_dk_only", "sagebwd_dv_only")
+
+
+class _MixedGradients(torch.autograd.Function):
+    """`reference`'s output; each of dq, dk, dv from `other` where from_other says so, else
+    from `reference`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, reference, other, from_other):
+        ctx.save_for_backward(q, k, v)
+        ctx.functions, ctx.from_other = (reference, other), from_other
+        return reference(q, k, v)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs = [t.detach().requires_grad_() for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            ref, other = (torch.autograd.grad(f(*inputs), inputs, grad) for f in ctx.functions)
+        return tuple(o if use else r for r, o, use in zip(ref, other, ctx.from_other)) + (None,) * 3
 
 
 class Block(nn.Module):
