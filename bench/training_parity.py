@@ -110,6 +110,10 @@ def attention_function(name: str) -> Callable:
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if name not in ATTENTIONS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)} (got {name!r})")
+    if name.startswith("emu_"):  # a PyTorch model of the backward's dS quantization
+        from sagebwd_emulation import emulated_attention
+
+        return emulated_attention(name[len("emu_"):])
     import sagekit
 
     def sage(q, k, v):
@@ -131,7 +135,7 @@ def attention_function(name: str) -> Callable:
 
 
 ATTENTIONS = ("sdpa", "sagebwd", "sagebwd_fwd_only", "sagebwd_bwd_only", "sagebwd_dq_only",
-              "sagebwd_dk_only", "sagebwd_dv_only")
+              "sagebwd_dk_only", "sagebwd_dv_only", "emu_block", "emu_token", "emu_exact")
 
 
 class _MixedGradients(torch.autograd.Function):
