@@ -2,7 +2,7 @@
 kernel exists (bench/training_parity.py's `emu_*` attentions).
 
 The forward is torch SDPA's (exact up to its 16-bit output): the parity study measured that
-sagebwd's forward alone leaves training unchanged (docs/performance.md, "Training parity").
+sagebwd's forward alone leaves training unchanged (docs/performance.md, "Training: SageBwd's forward and backward").
 The backward is FlashAttention's in float32 with dQ = dS K' and dK = dS^T Q taking fake-quantized
 INT8 operands as the sm_90 kernel's tiles do (docs/numerics.md, backward steps 7-8):
   - Q per 64-row tile, K' = K - mean(K) per 128-key tile, one symmetric scale each;

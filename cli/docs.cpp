@@ -335,11 +335,10 @@ void write_speed(std::ostream& os, const std::vector<std::string>& bench_paths) 
 }
 
 // The result files behind the committed docs/recipes.md speed table (scripts/gen_docs.sh runs
-// `sage docs` without --bench): the H200 grid of record (v30 code, median of three runs) for
-// the baselines, then the every-preset run on the H200 (v29 code), both of 2026-11-25. A new
-// measurement replaces them here.
-constexpr const char* kDefaultBench =
-    "bench/results/h200_v30_3runs_2026-11-25.json,bench/results/h200_recipes_v29_2026-11-25.json";
+// `sage docs` without --bench): the H100 grid of record for the baselines, then the
+// every-preset run on the H100 (scripts/gpu_run.sh's recipes stage). A new measurement
+// replaces them here.
+constexpr const char* kDefaultBench = "bench/results/h100.json,bench/results/h100_recipes.json";
 
 }  // namespace
 

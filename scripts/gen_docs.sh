@@ -27,8 +27,8 @@ fi
 cmake --build "$build" -j "$jobs" --target sage_cli
 sage="$build/cli/sage"
 
-# Without arguments, `sage docs`'s default files (cli/docs.cpp kDefaultBench: the H200 grid of
-# record and the H200 every-preset run, both in bench/results/).
+# Without arguments, `sage docs`'s default files (cli/docs.cpp kDefaultBench: the H100 grid of
+# record and the H100 every-preset run, both in bench/results/).
 if [ $# -gt 0 ]; then
   "$sage" docs --out docs/recipes.md --bench "$(IFS=,; echo "$*")"
 else

@@ -142,7 +142,7 @@ std::vector<GpuResult> run_gpu_cases(const std::vector<GpuCase>& cases);
 void expect_cases_within_bounds(const std::vector<GpuCase>& cases);
 
 // The kernel-vs-simulator bounds, justified per recipe family in gpu_harness.cpp and in
-// docs/performance.md ("Correctness of the kernels"). Against exact attention the kernel may be
+// docs/numerics.md ("Correctness of the kernels"). Against exact attention the kernel may be
 // no worse than the simulator's own error on the same inputs (the recipe's error, bounded
 // per recipe in test_simulator.cpp) plus the kernel-vs-simulator deviation (the cosine where
 // the recipe's error is below 1e-2; gpu_harness.cpp says why).
