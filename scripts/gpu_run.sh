@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizers, Python package, benchmark.
-# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [timingmodes] [profile] [digest] [ab] [dist] [distbench] [dimbench] [bwdbench] [parity]
+# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [timingmodes] [profile] [digest] [ab] [dist] [distbench]
 # Results land in $OUT (at most 8 files come back): logs, JSON and Markdown.
 # bench: BENCH_RUNS runs of the grid (default 3), merged into $OUT/h100.{json,md} by their
 # per-point median (bench/merge_runs.py).
@@ -216,23 +216,4 @@ if has distbench; then
     PYTHONUNBUFFERED=1 timeout 900 torchrun --standalone --nproc-per-node "$ranks" bench/sequence_parallel.py \
       bench --out "$OUT/sp_bench_$ranks.json" ${DIST_BENCH_ARGS:-} 2>&1 | grep -E "TOPS|wrote|Error|error" | tail -80
   done
-fi
-if has dimbench; then
-  # Issue 34's head-dim grid: every kernel tile at heads x d ~ 4096, 32K tokens a call, fp16,
-  # beside torch SDPA (DIMS, NS override the dims and lengths).
-  log head-dim grid
-  python3 bench/bench_sdpa.py --dims "${DIMS:-64,96,128,256}" --ns "${NS:-1024,2048,4096,16384}" \
-    --heads 0 --recipe "${RECIPE:-sage2_8b}" --no-kernel-only --iters ${ITERS:-10} \
-    --json "$OUT/h100_dims.json" --markdown "$OUT/h100_dims.md" 2>&1 | grep -E "^\[|failed" | tail -40
-fi
-if has bwdbench; then
-  # Issue 33: SageBwd's gradients against float64 beside SDPA bf16, and fwd/bwd/fwd+bwd speed.
-  log backward accuracy and speed
-  python3 bench/bench_backward.py --accuracy-json "$OUT/backward_accuracy.json" \
-    --json "$OUT/h100_backward.json" --ns "${NS:-1024,2048,4096,8192,16384}" 2>&1 | grep -vi warn | tail -40
-fi
-if has parity; then
-  # Issue 33's training parity: a small GPT, SDPA bf16 against sagebwd (PARITY_ARGS passed on).
-  log training parity
-  python3 bench/training_parity.py --out "$OUT/training_parity.json" ${PARITY_ARGS:-} 2>&1 | tail -30
 fi
