@@ -28,7 +28,7 @@ import math
 import os
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -375,7 +375,6 @@ def bench(world: World, args) -> List[Dict]:
                                       args.warmup, args.iters)
                     record(f"{mode.engine}-{kernel}", mode.name, world.size, mode.ulysses,
                            mode.ring, times)
-                    del local
                 torch.cuda.empty_cache()
             del q, k, v
     return records

@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     single, ms_single = timed(lambda: forward(model, inputs), 1, args.iters, parallel=False)
     runs = {"single_gpu_sdpa": dict(ms=ms_sdpa, ranks=1),
             "single_gpu_sagekit": dict(ms=ms_single, ranks=1, **difference(single, reference))}
-    del model, single
+    del single
     for name, config in (("ulysses", ContextParallelConfig(ulysses_degree=world)),
                          ("ring", ContextParallelConfig(ring_degree=world))):
         model = build_model(args.layers, device, dtype)
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
         model.enable_parallelism(config=config)
         out, ms = timed(lambda: forward(model, inputs), 1, args.iters, parallel=True)
         runs[f"{name}_sagekit"] = dict(ms=ms, ranks=world, **difference(out, reference))
-        del model, out
+        del out
         torch.cuda.empty_cache()
 
     if rank == 0:
