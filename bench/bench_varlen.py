@@ -22,23 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from cuda_timing import median_ms
+
 import sagekit
 
-
-def median_ms(fn, warmup, iters):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def pairs(n, causal):
@@ -108,7 +95,7 @@ def main():
         row = {}
         for impl, (fn, work) in runs.items():
             try:
-                ms = median_ms(fn, args.warmup, args.iters)
+                ms = median_ms(lambda _, fn=fn: fn(), args.warmup, args.iters)
             except Exception as e:  # a backend that refuses the shape is recorded, not fatal
                 print(f"{impl} causal={causal}: {type(e).__name__}: {e}")
                 continue
