@@ -82,6 +82,28 @@ def test_backward_refuses_a_sliding_window_by_name():
 
 
 @needs_torch
+def test_backward_body_reaches_the_binding_with_its_keywords(monkeypatch):
+    # The op's body up to the library on CPU tensors (the CUDA-only steps stubbed): the binding
+    # takes every keyword the body passes (a wrong one would be a TypeError here) and its own
+    # checks answer, naming the argument: 'device' in a build without CUDA, and host memory
+    # refused for q otherwise. The output gradient, an expanded scalar as out.sum() gives,
+    # is densified first.
+    import contextlib
+
+    from sagekit import ops
+
+    monkeypatch.setattr(ops, "_require_cuda_build", lambda: None)
+    monkeypatch.setattr(ops, "_on_device", lambda device: contextlib.nullcontext(0))
+    q = torch.randn(1, 4, 64, 64, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
+    dout = torch.ones((), dtype=torch.float32).expand(q.shape)
+    assert ops._gpu_view(dout.to(q.dtype)).stride() == q.stride()
+    assert ops._gpu_view(q.transpose(1, 2)).data_ptr() == q.data_ptr()  # read in place
+    check_argument_error("q" if sagekit.cuda_built else "device", ops._attention_backward_body,
+                         q, k, k, dout, "HND", True, -1, -1, 0.125, "sagebwd")
+
+
+@needs_torch
 def test_backward_follows_torch_deterministic_algorithms():
     # fp32 atomics: not bit-deterministic, so torch's switch refuses it (or warns).
     from sagekit import ops
