@@ -101,6 +101,11 @@ def test_backward_body_reaches_the_binding_with_its_keywords(monkeypatch):
     assert ops._gpu_view(q.transpose(1, 2)).data_ptr() == q.data_ptr()  # read in place
     check_argument_error("q" if sagekit.cuda_built else "device", ops._attention_backward_body,
                          q, k, k, dout, "HND", True, -1, -1, 0.125, "sagebwd")
+    # No keys: the output is 0 whatever q is, so are the gradients (the library is not called).
+    empty = k[:, :, :0]
+    dq, dk, dv = ops._attention_backward_body(q, empty, empty, dout, "HND", False, -1, -1, None,
+                                              "sagebwd")
+    assert dq.shape == q.shape and not dq.any() and dk.shape == empty.shape
 
 
 @needs_torch
