@@ -79,6 +79,10 @@ def sageattn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool 
     natural-log sum of exp [B, Hq, Nq].
     Prequantized inputs (recipe "int_flash"): int8 q/k/v with float32 q_scale, k_scale,
     v_scale; out_dtype picks the output dtype (default float16).
+    Training: with recipe="sagebwd" the output is differentiable (loss.backward() gives q, k
+    and v their gradients through SageBwd's INT8 backward; the LSE has no gradient); with any
+    other recipe, or a sliding window, a backward pass raises an ArgumentError naming
+    `recipe` (or `window_size`). docs/python.md, "Training".
     """
     layout = _check_layout(layout)
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
@@ -227,6 +231,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     argument, never silently dropped: attn_mask, dropout_p > 0, and is_causal with L != S
     (torch aligns that mask top-left, sagekit bottom-right; use sageattn for the latter).
     enable_gqa=False with different head counts raises, as torch does.
+    recipe="sagebwd" makes it trainable (loss.backward()), as in sageattn.
     """
     if attn_mask is not None:
         raise argument_error("attn_mask", "sagekit cannot apply an explicit attention mask; "
@@ -323,6 +328,8 @@ def patch_sdpa(recipe: RecipeLike = "auto", fallback: bool = False) -> Iterator[
     the argument. fallback=True sends such calls to the original torch function instead and
     counts them, by reason, in the yielded SdpaPatch (stats.fallbacks), so nothing changes
     silently. The original function is restored on exit, also after an exception.
+    patch_sdpa(recipe="sagebwd") trains: the recorded graph's backward runs sagekit's, also
+    when loss.backward() is called after the block.
     """
     import torch.nn.functional as F
 

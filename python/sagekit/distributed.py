@@ -15,7 +15,9 @@ each adapter was read against and how each plugs in.
   LSE, for NumPy arrays or torch tensors (the tests use it on the CPU references).
 
 Importing this module needs neither torch nor the engines; each adapter imports what it
-uses when called. The GPU kernels have no backward, so the adapters are for inference.
+uses when called. The adapters are for inference: they have no backward (training through
+sagekit is the single-GPU sageattn(..., recipe="sagebwd"); a ring backward would also need the
+LSE's gradient, which sagekit's backward does not take).
 """
 
 import sys
@@ -106,7 +108,7 @@ def _refuse_dropout(dropout_p: Any) -> None:
     if dropout_p not in (0, 0.0, None):
         raise argument_error("dropout_p", f"sagekit has no attention dropout; pass 0.0 (got "
                              f"{dropout_p}; engines pass it in training mode, and sagekit's "
-                             "GPU attention has no backward anyway)")
+                             "sequence-parallel adapters have no backward anyway)")
 
 
 def _refuse_window(window_size: Any) -> None:
@@ -209,8 +211,8 @@ def _shimmed_selector(original: Callable) -> Callable:
             return original(impl_type, stage, attn_processor)
         if stage != "fwd-only":
             raise argument_error("attn_type", f"sagekit provides yunchang's forward kernel only "
-                                 f"(asked for stage {stage!r}); its GPU attention has no "
-                                 "backward: run under torch.no_grad()")
+                                 f"(asked for stage {stage!r}); its sequence-parallel "
+                                 "adapters have no backward: run under torch.no_grad()")
         return impl_type.kernel
 
     select._sagekit_shim = True
@@ -299,8 +301,9 @@ def _diffusers_forward_op(recipe: RecipeLike) -> Callable:
 
 
 def _diffusers_backward_op(ctx, grad_out, *args, **kwargs):
-    raise argument_error("requires_grad", "sagekit's GPU attention has no backward; run the "
-                         "model under torch.no_grad() or torch.inference_mode()")
+    raise argument_error("requires_grad", "sagekit's sequence-parallel adapters have no "
+                         "backward; run the model under torch.no_grad() or "
+                         "torch.inference_mode()")
 
 
 def diffusers_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,

@@ -311,6 +311,10 @@ def _attention_backward_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=q.dtype, device=q.device)
     dv = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    if q.numel() == 0 or k.numel() == 0:
+        # Nothing attends (no queries, or no keys: the output is 0 whatever q is), so every
+        # gradient is 0; the library's workspace would be empty, which it refuses.
+        return dq.zero_(), dk.zero_(), dv.zero_()
     with _on_device(q.device) as stream:
         _C.attention_backward(dlpack_capsule(q), dlpack_capsule(k), dlpack_capsule(v),
                               dlpack_capsule(dout), dlpack_capsule(dq), dlpack_capsule(dk),
