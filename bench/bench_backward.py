@@ -15,11 +15,18 @@ FlashAttention convention. Records have bench_sdpa.py's keys plus "pass".
 Accuracy (--accuracy-json): N = 4096, d = 128, one batch, 2 heads, bf16 inputs from a few of
 the synthetic distributions (docs/numerics.md; drawn here with torch, not the library's
 generator), dO ~ N(0, 1): cosine and relative L1 of dQ, dK, dV against float64 autograd,
-for sagebwd and for SDPA in bf16 (its flash backend). The INT8-dP ablation has no GPU
-kernel: `sage check --backward --dp-format int8` measures it on the CPU.
+for sagebwd and for SDPA in bf16 (its flash backend) on the GPU, and for the bit-faithful CPU
+simulator (sagekit.simulate_backward) with sagebwd and with its INT8-dP ablation
+(dp_format=int8, which has no GPU kernel), on the same inputs. The simulator rows need no GPU
+and give the same numbers on any machine (about 2 minutes on 2 cores); without CUDA only they
+run. --accuracy-impls picks the rows, --accuracy-merge keeps an existing file's other records:
+
+    python3 bench/bench_backward.py --accuracy-json bench/results/h100_backward_accuracy.json \
+        --accuracy-impls sagebwd-simulator,sagebwd-int8dp-simulator --accuracy-merge
 """
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -84,8 +91,8 @@ def speed(args):
                                     d=d, causal=bool(causal), n=n, batch=batch, heads=args.heads,
                                     dtype="bfloat16", whole_call=True, ms=ms, tops=tops, device=dev,
                                     **{"pass": pass_name}))
-            del kept
-        del sets, douts
+            kept = None  # frees the graphs (a del trips pyflakes on the closures)
+        sets = douts = None
         torch.cuda.empty_cache()
         s = row.get("sagekit fwd_bwd", float("nan"))
         print(f"[{idx + 1}/{len(grid)}] d={d} causal={causal} n={n}: fwd+bwd TOPS sagekit {s:.0f} "
@@ -115,33 +122,78 @@ def distribution(name: str, n: int, d: int, heads: int, gen: torch.Generator):
     return q, k, v
 
 
+# Accuracy rows: the GPU's (sagekit.sageattn, torch SDPA) and the CPU simulator's recipes.
+GPU_IMPLS = ("sagebwd", "torch-sdpa-bf16")
+SIMULATOR_RECIPES = {"sagebwd-simulator": "sagebwd",
+                     "sagebwd-int8dp-simulator": "sagebwd,dp_format=int8"}
+
+
+def gradient_metrics(grads, ref) -> dict:
+    """Cosine, relative L1 and NaN presence of dq, dk, dv against the float64 reference."""
+    row = {}
+    for label, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        g = g.detach().double().cpu()
+        row[f"{label}_cosine"] = F.cosine_similarity(g.flatten(), r.flatten(), dim=0).item()
+        row[f"{label}_rel_l1"] = ((g - r).abs().sum() / r.abs().sum()).item()
+        row[f"{label}_nan"] = bool(torch.isnan(g).any())
+    return row
+
+
 def accuracy(args):
     import sagekit
 
+    impls = args.accuracy_impls.split(",")
+    unknown = [i for i in impls if i not in GPU_IMPLS and i not in SIMULATOR_RECIPES]
+    if unknown:
+        raise ValueError(f"unknown --accuracy-impls {unknown}; known: "
+                         f"{', '.join(GPU_IMPLS + tuple(SIMULATOR_RECIPES))}")
+    cuda = torch.cuda.is_available()
+    if not cuda and any(i in GPU_IMPLS for i in impls):
+        print(f"no CUDA: skipping {', '.join(i for i in impls if i in GPU_IMPLS)}", flush=True)
+        impls = [i for i in impls if i not in GPU_IMPLS]
+    gpu_fns = {"sagebwd": lambda a, b, c: sagekit.sageattn(a, b, c, recipe="sagebwd"),
+               "torch-sdpa-bf16": lambda a, b, c: F.scaled_dot_product_attention(a, b, c)}
+    dev = "cuda" if cuda else "cpu"
     gen = torch.Generator().manual_seed(0)
     rows = []
+    t0 = time.time()
     for dist in args.distributions.split(","):
-        q64, k64, v64 = (x.cuda() for x in distribution(dist, args.acc_n, 128, 2, gen))
-        do64 = torch.randn(q64.shape, generator=gen, dtype=torch.float64).cuda()
+        # Drawn on the CPU from one seeded generator, in the same order whatever runs, so the
+        # GPU and simulator rows of a distribution see the same values.
+        q64, k64, v64 = distribution(dist, args.acc_n, 128, args.acc_heads, gen)
+        do64 = torch.randn(q64.shape, generator=gen, dtype=torch.float64)
         # Every implementation sees the same bf16 values; the reference differentiates them in float64.
         q, k, v, do = (x.to(torch.bfloat16) for x in (q64, k64, v64, do64))
-        ref_in = [x.double().requires_grad_() for x in (q, k, v)]
-        ref = torch.autograd.grad(F.scaled_dot_product_attention(*ref_in), ref_in, do.double())
-        for name, fn in (("sagebwd", lambda a, b, c: sagekit.sageattn(a, b, c, recipe="sagebwd")),
-                         ("torch-sdpa-bf16", lambda a, b, c: F.scaled_dot_product_attention(a, b, c))):
-            inputs = [x.clone().requires_grad_() for x in (q, k, v)]
-            grads = torch.autograd.grad(fn(*inputs), inputs, do)
-            row = dict(distribution=dist, impl=name, n=args.acc_n, d=128, dtype="bfloat16")
-            for label, g, r in zip(("dq", "dk", "dv"), grads, ref):
-                g = g.double()
-                row[f"{label}_cosine"] = F.cosine_similarity(g.flatten(), r.flatten(), dim=0).item()
-                row[f"{label}_rel_l1"] = ((g - r).abs().sum() / r.abs().sum()).item()
-                row[f"{label}_nan"] = bool(torch.isnan(g).any())
+        ref_in = [x.double().to(dev).requires_grad_() for x in (q, k, v)]
+        ref = torch.autograd.grad(F.scaled_dot_product_attention(*ref_in), ref_in, do.double().to(dev))
+        ref = [r.cpu() for r in ref]
+        del ref_in
+        for name in impls:
+            t1 = time.time()
+            if name in GPU_IMPLS:
+                inputs = [x.cuda().requires_grad_() for x in (q, k, v)]
+                grads = torch.autograd.grad(gpu_fns[name](*inputs), inputs, do.cuda())
+            else:
+                grads = sagekit.simulate_backward(q, k, v, do, recipe=SIMULATOR_RECIPES[name])
+            row = dict(distribution=dist, impl=name, n=args.acc_n, d=128, dtype="bfloat16",
+                       heads=args.acc_heads)
+            row.update(gradient_metrics(grads, ref))
             rows.append(row)
-            print(f"{dist:8s} {name:16s} " + "  ".join(
-                f"{x}: cos {row[x + '_cosine']:.6f} L1 {row[x + '_rel_l1']:.4f}" for x in ("dq", "dk", "dv")),
-                flush=True)
+            print(f"{dist:8s} {name:24s} " + "  ".join(
+                f"{x}: cos {row[x + '_cosine']:.6f} L1 {row[x + '_rel_l1']:.4f}" for x in ("dq", "dk", "dv"))
+                + f"  ({time.time() - t1:.0f}s, {time.time() - t0:.0f}s in all)", flush=True)
     return rows
+
+
+def merged_records(old: list, new: list) -> list:
+    """old's records with those new replaces (same distribution and impl) dropped, and new's
+    added; grouped by distribution in order of first appearance, each group's order kept."""
+    keys = {(r["distribution"], r["impl"]) for r in new}
+    rows = [r for r in old if (r["distribution"], r["impl"]) not in keys] + new
+    order = {}
+    for r in rows:
+        order.setdefault(r["distribution"], len(order))
+    return sorted(rows, key=lambda r: order[r["distribution"]])
 
 
 def main():
@@ -157,12 +209,22 @@ def main():
     ap.add_argument("--accuracy-json", help="gradient accuracy records (skipped when not given)")
     ap.add_argument("--distributions", default="normal,k_bias,qk_bias,v_bias,sharp")
     ap.add_argument("--acc-n", type=int, default=4096)
+    ap.add_argument("--acc-heads", type=int, default=2)
+    ap.add_argument("--accuracy-impls", default=",".join(GPU_IMPLS + tuple(SIMULATOR_RECIPES)),
+                    help="accuracy rows to compute (the GPU ones are skipped without CUDA)")
+    ap.add_argument("--accuracy-merge", action="store_true",
+                    help="keep the --accuracy-json file's records other than those recomputed")
     args = ap.parse_args()
     if not args.json and not args.accuracy_json:
         ap.error("give --json and/or --accuracy-json")
     if args.accuracy_json:
+        rows = accuracy(args)
+        if args.accuracy_merge and os.path.exists(args.accuracy_json):
+            with open(args.accuracy_json) as f:
+                rows = merged_records(json.load(f), rows)
         with open(args.accuracy_json, "w") as f:
-            json.dump(accuracy(args), f, indent=1)
+            json.dump(rows, f, indent=1)
+            f.write("\n")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(speed(args), f, indent=1)

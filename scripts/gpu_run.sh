@@ -245,8 +245,10 @@ if has varlenbench; then
 fi
 if has bwdbench; then
   # Issue 33: SageBwd's gradients against float64 beside SDPA bf16, and fwd/bwd/fwd+bwd speed.
+  # The GPU rows only: the simulator's (the INT8-dP ablation) are the same on any machine.
   log backward accuracy and speed
   python3 bench/bench_backward.py --accuracy-json "$OUT/backward_accuracy.json" \
+    --accuracy-impls sagebwd,torch-sdpa-bf16 \
     --json "$OUT/h100_backward.json" --ns "${NS:-1024,2048,4096,8192,16384}" 2>&1 | grep -vi warn | tail -40
 fi
 if has parity; then
