@@ -17,6 +17,7 @@ SIMULATOR_IMPLS = ("sagebwd-simulator", "sagebwd-int8dp-simulator")
 
 
 def _bench():
+    sys.path.insert(0, str(ROOT / "bench"))  # its sibling modules (cuda_timing)
     spec = importlib.util.spec_from_file_location("bench_backward", ROOT / "bench" / "bench_backward.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["bench_backward"] = module
