@@ -474,9 +474,9 @@ TEST(Sm90Backward, RecipesWithoutAKernelAreRefusedByName) {
   r.dp_format = BwdFormat::int8;
   expect_refused(r, "recipe", "'sagebwd_int8_dp' has no sm_90 backward (the kernel needs dp_format fp16");
   r = preset("sagebwd");
-  r.name = "sagebwd_ds_token";
-  r.bwd_ds_granularity = Granularity::per_token;
-  expect_refused(r, "recipe", "bwd_ds_granularity per_block");
+  r.name = "sagebwd_p_tile";
+  r.bwd_p_granularity = Granularity::per_block;
+  expect_refused(r, "recipe", "'sagebwd_p_tile' has no sm_90 backward (the kernel needs bwd_p_granularity per_token");
 }
 
 // The backward kernel exists at head_dim 64 and 128 (kernel_traits.h, backward_has_kernel):
