@@ -21,7 +21,7 @@
 
 namespace sage {
 namespace sm90::bwd {
-template <int D, class T>
+template <int D, class T, DsGranularity G>
 void launch_backward(const BackwardParams& p, cudaStream_t stream);
 }
 
@@ -47,7 +47,7 @@ std::string gpu_backward_gap(const Recipe& r) {
   if (r.dq_format != BwdFormat::int8) return "dq_format int8";
   if (r.dk_format != BwdFormat::int8) return "dk_format int8";
   if (r.bwd_p_granularity != Granularity::per_token) return "bwd_p_granularity per_token";
-  if (r.bwd_ds_granularity != Granularity::per_block) return "bwd_ds_granularity per_block";
+  // bwd_ds_granularity: both of validate_backward's, per_block and per_token, have a kernel.
   return {};
 }
 
@@ -156,9 +156,14 @@ Dims strides_of(const TensorView& t, Layout layout) {
   return {t.strides[0], t.strides[2], t.strides[1]};
 }
 
+// The kernel of the recipe's dS granularity (validate_backward admits these two).
 template <int D, class T>
-void run_backward(const sm90::bwd::BackwardParams& p, cudaStream_t s) {
-  if constexpr (sm90::bwd::backward_has_kernel(D)) sm90::bwd::launch_backward<D, T>(p, s);
+void run_backward(const sm90::bwd::BackwardParams& p, Granularity ds, cudaStream_t s) {
+  using sm90::bwd::DsGranularity;
+  if constexpr (sm90::bwd::backward_has_kernel(D)) {
+    if (ds == Granularity::per_token) sm90::bwd::launch_backward<D, T, DsGranularity::per_token>(p, s);
+    else sm90::bwd::launch_backward<D, T, DsGranularity::per_block>(p, s);
+  }
 }
 
 }  // namespace
@@ -233,10 +238,11 @@ void attention_backward(const BackwardArgs& args, void* workspace, size_t worksp
   const cudaError_t err = cudaMemsetAsync(ws + w.dq_acc, 0, w.total - w.dq_acc, s);
   if (err != cudaSuccess) throw_cuda("backward workspace memset", err);
   const bool bf16 = args.q.dtype == DType::bf16;
+  const Granularity ds = args.recipe.bwd_ds_granularity;
 #define SAGE_BACKWARD_DIM(D)                                       \
   if (pr.head_dim == D) {                                          \
-    if (bf16) run_backward<D, __nv_bfloat16>(p, s);                \
-    else run_backward<D, __half>(p, s);                            \
+    if (bf16) run_backward<D, __nv_bfloat16>(p, ds, s);            \
+    else run_backward<D, __half>(p, ds, s);                        \
     return;                                                        \
   }
   SAGE_FOR_EACH_HEAD_DIM(SAGE_BACKWARD_DIM)

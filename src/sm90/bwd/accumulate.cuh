@@ -1,9 +1,10 @@
 // Step 8 of the backward and step 6's product: the INT8 MMAs of one tile, each tile's exact
 // s32 product scaled and added once (the contract's per-tile fmaf):
 //   dV[key] = fmaf(float(sum_rows c(P) c(dO)), s_P,key * s_dO, dV)   (registers, per warpgroup)
-//   dK[key] = fmaf(float(sum_rows c(dS) qcode), s_dS * q_scale, dK)   (registers)
-//   dQ[row] += float(sum_keys c(dS) kcode) * (s_dS * k_scale)         (fp32 atomics: the other
-//              K/V tiles' CTAs add into the same rows)
+//   dK[key] = fmaf(float(sum_rows c(dS) qcode), s_dS,key * q_scale, dK)   (registers)
+//   dQ[row] += float(sum_keys c(dS) kcode) * (s_dS,row * k_scale)         (fp32 atomics: the
+//              other K/V tiles' CTAs add into the same rows)
+// (dS per block: s_dS,key = s_dS,row = the tile's scale.)
 // dV and dK: A from registers (quantize.cuh), B = dO^T / Q^T codes of the stage; in column
 // chunks of 64 (n = 64: the s32 product of a chunk is 32 registers beside the 2 x D/2 of dV
 // and dK). dQ: warpgroup c takes channels [c D/2, (c+1) D/2), A = the dS tile, B = K'^T.
@@ -33,7 +34,7 @@ constexpr int kChunk = D >= 128 ? 32 : 64;
 template <int D>
 __device__ __forceinline__ void accumulate_dv_dk(const Smem<D>& s, int st, uint32_t (&pa)[2][4],
                                                  const float (&p_scale)[2], float do_scale,
-                                                 uint32_t (&dsa)[2][4], float ds_q_scale,
+                                                 uint32_t (&dsa)[2][4], const float (&dk_scale)[2],
                                                  float (&dv)[kGradAcc<D>], float (&dk)[kGradAcc<D>]) {
   constexpr int N = kChunk<D>, kAcc = N / 2, kChunks = D / N, kJobs = 2 * kChunks;
   // s_P,key * s_dO (the contract's order), per key row g and g + 8.
@@ -77,7 +78,7 @@ __device__ __forceinline__ void accumulate_dv_dk(const Smem<D>& s, int st, uint3
 #pragma unroll
     for (int x = 0; x < kAcc; ++x) {
       float& y = j < kChunks ? dv[kAcc * n + x] : dk[kAcc * n + x];
-      y = __fmaf_rn(small_int_to_float(acc[x]), j < kChunks ? pv_scale[(x % 4) / 2] : ds_q_scale, y);
+      y = __fmaf_rn(small_int_to_float(acc[x]), j < kChunks ? pv_scale[(x % 4) / 2] : dk_scale[(x % 4) / 2], y);
     }
   }
   reg_fence(pa);
@@ -94,9 +95,10 @@ __device__ __forceinline__ void atomic_add2(float* at, float x, float y) {
 }
 
 // dQ of the tile into the fp32 accumulator rows of (bh, i0 ..): `rows` of them are real.
+// dq_scale[r]: s_dS * k_scale of the thread's row r (0: 16w + g, 1: + 8; dq_row_scales).
 template <int D>
-__device__ __forceinline__ void accumulate_dq(const Smem<D>& s, const ConsumerThread& th, float ds_k_scale,
-                                              float* dq_rows, int rows) {
+__device__ __forceinline__ void accumulate_dq(const Smem<D>& s, const ConsumerThread& th,
+                                              const float (&dq_scale)[2], float* dq_rows, int rows) {
   constexpr int kN = D / 2;
   int32_t acc[kN / 2];
   reg_fence(acc);
@@ -113,9 +115,10 @@ __device__ __forceinline__ void accumulate_dq(const Smem<D>& s, const ConsumerTh
   for (int x = 0; x < kN / 2; x += 2) {
     const int row = 16 * th.w + th.g + ((x % 4) >= 2 ? 8 : 0);
     const int ch = th.c * kN + 8 * (x / 4) + 2 * th.t;
+    const float scale = dq_scale[(x % 4) / 2];
     if (row < rows && (acc[x] != 0 || acc[x + 1] != 0))
-      atomic_add2(dq_rows + (int64_t)row * D + ch, __fmul_rn(small_int_to_float(acc[x]), ds_k_scale),
-                  __fmul_rn(small_int_to_float(acc[x + 1]), ds_k_scale));
+      atomic_add2(dq_rows + (int64_t)row * D + ch, __fmul_rn(small_int_to_float(acc[x]), scale),
+                  __fmul_rn(small_int_to_float(acc[x + 1]), scale));
   }
 }
 

@@ -11,7 +11,8 @@
 // One CTA per (128-key K/V tile, query head), looping over the 64-row Q tiles in increasing
 // order (step 1). Warpgroup 0 produces; warpgroups 1 and 2 own 64 keys each. At the end dK *
 // sm_scale and dV go into the KV head's fp32 accumulators, summed over the group's query heads
-// by atomics (GQA; finalize.cuh converts).
+// by atomics (GQA; finalize.cuh converts). G, dS's scales (kernel_traits.h, DsGranularity),
+// is a template parameter: one instantiation each.
 #pragma once
 
 #include <cstdint>
@@ -42,7 +43,7 @@ __device__ __forceinline__ void build_kt(const Smem<D>& s, int ct) {
   fence_proxy_async();
 }
 
-template <int D, class T>
+template <int D, class T, DsGranularity G>
 __device__ __forceinline__ void run_consumers(const BackwardParams& p, const Smem<D>& s, int j0, int kv_tile,
                                               int hk, int h, int b) {
   setmaxnreg_inc<kConsumerRegs>();
@@ -79,15 +80,19 @@ __device__ __forceinline__ void run_consumers(const BackwardParams& p, const Sme
     if constexpr (!kDpWithS<D>) issue_dp<D, T>(s, th.c, st, dsv);
     uint32_t pa[2][4], dsa[2][4];
     float p_scale[2];
-    quantize_p(pv, pa, p_scale);
+    quantize_per_key(pv, pa, p_scale);
     recompute_ds<D>(s, th, st, pv, dsv);
-    const float ds_scale = quantize_ds<D>(s, th, fill & 1, dsv, dsa);
-    accumulate_dv_dk<D>(s, st, pa, p_scale, do_scale, dsa, __fmul_rn(ds_scale, q_scale), dv, dk);
+    float ds_scale[2];  // per key row
+    quantize_ds<G>(s, th, fill & 1, dsv, dsa, ds_scale);
+    const float dk_scale[2] = {__fmul_rn(ds_scale[0], q_scale), __fmul_rn(ds_scale[1], q_scale)};
+    accumulate_dv_dk<D>(s, st, pa, p_scale, do_scale, dsa, dk_scale, dv, dk);
     // The stage's operands are read (S^T, dP^T, dV, dK waited for): one arrival per warp.
     if (th.lane == 0) mbar_arrive(s.empty(st));
     // Every warp's dS codes (and, the first time, K'^T) are in shared memory.
     named_barrier_sync(kDsStored, 128 * kConsumers);
-    accumulate_dq<D>(s, th, __fmul_rn(ds_scale, k_scale), p.dq_acc + (bh * p.n_q + i0) * D, rows);
+    float dq_scale[2];
+    dq_row_scales<G>(s, th, fill & 1, ds_scale[0], k_scale, dq_scale);
+    accumulate_dq<D>(s, th, dq_scale, p.dq_acc + (bh * p.n_q + i0) * D, rows);
   }
   if (tiles.begin >= tiles.end) return;  // nothing added: the accumulators stay zero
   // Step 9 for dK (per query head, as the simulator scales before the group's sum) and step
@@ -103,7 +108,7 @@ __device__ __forceinline__ void run_consumers(const BackwardParams& p, const Sme
   }
 }
 
-template <int D, class T>
+template <int D, class T, DsGranularity G>
 __global__ void __launch_bounds__(kThreads, 1)
     backward_kernel(const __grid_constant__ BackwardMaps maps, const BackwardParams p) {
   // Aligned to 1024 bytes (the swizzled tiles' repeat; the launch adds the slack).
@@ -120,12 +125,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_init(s.kv_full(), 1);
     fence_barrier_init();
   }
+  // Per token, the rows' dS maxima start at zero in both parities (quantize_ds_per_token).
+  if (G == DsGranularity::per_token && threadIdx.x < 2 * kBlockQ) s.red(0)[threadIdx.x] = 0.f;
   __syncthreads();
   if (threadIdx.x < 128) {
     run_producer<D>(maps, p, s, j0, hk, h, b);
     return;
   }
-  run_consumers<D, T>(p, s, j0, kv_tile, hk, h, b);
+  run_consumers<D, T, G>(p, s, j0, kv_tile, hk, h, b);
 }
 
 }  // namespace sage::sm90::bwd

@@ -50,6 +50,12 @@ constexpr bool tiles_match_the_contract(int d) {
   return backward_tile_config(d).block_q == kBlockQ && backward_tile_config(d).block_kv == kBlockKV;
 }
 
+// dS's INT8 scales (the recipe's bwd_ds_granularity; docs/numerics.md, "The backward", step 7):
+// per_block, one scale per 64 x 128 tile for both products; per_token, one per query row for
+// dQ's codes and one per key for dK's (the tile quantized twice). A kernel template parameter:
+// each has its instantiations (bwd/instantiate.cmake).
+enum class DsGranularity : int { per_block, per_token };
+
 // Whether the backward has a kernel at a head dim: 64 and 128 (K' rows of exactly D bytes in
 // the forward's workspace, quant/kv_layout.h; dK and dV in registers). Others are refused by
 // name (api/backward.cu).
@@ -74,7 +80,8 @@ struct SmemLayout {
   int k8, kt8, v, ds8;
   StageLayout stage;
   int stages;       // offset of stage 0; stage s at stages + s * stage.bytes
-  int red;          // [2 parities][8 warps] float: the dS tile's amax
+  int red;          // [2 parities][kBlockQ] floats: the dS tile's amax (per_block: one per
+                    // consumer warp; per_token: one per query row)
   int bars;         // full[kStages], empty[kStages], kv_full: uint64_t each
   int total;
 };
@@ -109,7 +116,7 @@ constexpr SmemLayout smem_layout(int d) {
   s.stage.bytes = align1k(st);
   s.stages = off;
   off += kStages * s.stage.bytes;
-  s.red = take(2 * 8 * 4);
+  s.red = take(2 * kBlockQ * 4);
   s.bars = off;
   off += (2 * kStages + 1) * 8;
   s.total = align1k(off);

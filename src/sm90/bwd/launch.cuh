@@ -1,5 +1,5 @@
-// Host-side launch of the backward for one head dim and dtype: pre-pass, kernel, finalize.
-// The instantiations are generated (bwd/instantiate.cmake), one per .cu file. The caller has
+// Host-side launch of the backward for one head dim, dtype and dS granularity: pre-pass,
+// kernel, finalize. The instantiations are generated (bwd/instantiate.cmake), one per .cu file. The caller has
 // zeroed the fp32 accumulators (api/backward.cu).
 #pragma once
 
@@ -20,7 +20,7 @@ inline unsigned finalize_blocks(int64_t total) {
   return unsigned(std::max<int64_t>(1, std::min<int64_t>((total + 255) / 256, 132 * 16)));
 }
 
-template <int D, class T>
+template <int D, class T, DsGranularity G>
 void launch_backward(const BackwardParams& p, cudaStream_t stream) {
   static_assert(backward_has_kernel(D), "the backward kernel exists at d = 64 and 128");
   if (p.batch == 0 || p.heads_q == 0) return;
@@ -32,7 +32,7 @@ void launch_backward(const BackwardParams& p, cudaStream_t stream) {
   }
   if (p.n_q > 0 && p.n_kv > 0) {
     const BackwardMaps maps = make_backward_maps(p, D);
-    auto* kernel = backward_kernel<D, T>;
+    auto* kernel = backward_kernel<D, T, G>;
     constexpr int smem = smem_layout(D).total + 1024;  // + the alignment slack
     static std::once_flag attribute_set;
     static cudaError_t attribute_error = cudaSuccess;

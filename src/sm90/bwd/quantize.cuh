@@ -1,9 +1,13 @@
 // Steps 6-7 of the backward: P and dS to INT8 in registers, straight into the operand layouts
 // of the MMAs that read them (no pass reads them again).
-//   P per key (bwd_p_granularity per_token): one group per key over the tile's 64 rows; a
-//   key's values are the thread's 16 of its accumulator row and its quad's (lanes 4g .. 4g + 3).
-//   dS per block (bwd_ds_granularity per_block): one group over the whole 64 x 128 tile, both
-//   consumer warpgroups (a named barrier).
+//   Per key (P, bwd_p_granularity per_token; dS for dK, bwd_ds_granularity per_token): one
+//   group per key over the tile's 64 rows; a key's values are the thread's 16 of its
+//   accumulator row and its quad's (lanes 4g .. 4g + 3).
+//   dS per block (per_block): one group over the whole 64 x 128 tile, both consumer
+//   warpgroups (a named barrier); dK and dQ take the same codes.
+//   dS per query row for dQ (per_token): one group per row over the tile's 128 keys, held by
+//   both warpgroups: a row's values are 2 of the thread's, those of the 8 lanes of its t
+//   (shuffles) and those of the other 7 warps (shared-memory maxima, the named barrier).
 // Scales rules::symmetric_scale, codes rules::round_clamp(x * symmetric_inverse), as the
 // simulator's quantize_block; entries a row does not see are 0 and stay 0.
 //
@@ -65,34 +69,56 @@ __device__ __forceinline__ void pack_a(uint32_t (&a)[2][4], const float (&v)[kTi
     }
 }
 
-// P's codes (pa) and scales per key row (p_scale[r]).
-__device__ __forceinline__ void quantize_p(const float (&pv)[kTileAcc], uint32_t (&pa)[2][4], float (&p_scale)[2]) {
+// Codes (a) and scales per key row (scale[r], r = 0: key g, 1: key g + 8) of a tile's values
+// in the accumulator layout, one group per key: P for dV, and dS for dK per token.
+__device__ __forceinline__ void quantize_per_key(const float (&v)[kTileAcc], uint32_t (&a)[2][4], float (&scale)[2]) {
   const float fq = float(rules::kInt8Max);
-  float pmax[2] = {0.f, 0.f};
+  float amax[2] = {0.f, 0.f};
 #pragma unroll
-  for (int x = 0; x < kTileAcc; ++x) pmax[(x % 4) / 2] = fmaxf(pmax[(x % 4) / 2], fabsf(pv[x]));
+  for (int x = 0; x < kTileAcc; ++x) amax[(x % 4) / 2] = fmaxf(amax[(x % 4) / 2], fabsf(v[x]));
   float inv[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    pmax[r] = frag::quad_max(pmax[r]);
-    inv[r] = inverse_127(pmax[r]);
-    p_scale[r] = rules::symmetric_scale(pmax[r], fq);
+    amax[r] = frag::quad_max(amax[r]);
+    inv[r] = inverse_127(amax[r]);
+    scale[r] = rules::symmetric_scale(amax[r], fq);
   }
-  pack_a(pa, pv, inv);
+  pack_a(a, v, inv);
 }
 
-// dS's amax over the tile (both warpgroups), its codes as dK's A (dsa) and into the dS tile
-// for dQ; returns the dS scale. `parity`: the tile's index & 1 (the amax slots alternate, so
-// that a fast warpgroup never overwrites what the other still reads).
+// The dS codes into the [row][key position] tile, dQ's A: row 8j + 2t + e (value 4j + e: key g,
+// 4j + e + 2: key g + 8) at positions 64c + 16w + 2g and + 1. row_inv(j): the inverses of rows
+// 8j + 2t and + 1.
+template <int D, class RowInv>
+__device__ __forceinline__ void store_ds_tile(const Smem<D>& s, const ConsumerThread& th, const float (&ds)[kTileAcc],
+                                              RowInv row_inv) {
+  const int kp = 64 * th.c + 16 * th.w + 2 * th.g;
+  const uint32_t ds_base = smem_addr(s.ds8());
+#pragma unroll
+  for (int j = 0; j < kTileAcc / 4; ++j) {
+    const float2 inv = row_inv(j);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float f = e == 0 ? inv.x : inv.y;
+      const uint32_t pair = code_byte(ds[4 * j + e], f) | (code_byte(ds[4 * j + e + 2], f) << 8);
+      const uint32_t addr = ds_base + swizzled_offset(8 * j + 2 * th.t + e, kp, 128);
+      asm volatile("st.shared.u16 [%0], %1;" ::"r"(addr), "h"(uint16_t(pair)) : "memory");
+    }
+  }
+  // The tile is read by dQ's MMA through the async proxy.
+  fence_proxy_async();
+}
+
+// dS per block: the tile's amax (both warpgroups), its codes as dK's A (dsa) and into the dS
+// tile for dQ; returns the dS scale.
 template <int D>
-__device__ __forceinline__ float quantize_ds(const Smem<D>& s, const ConsumerThread& th, int parity,
-                                             const float (&ds)[kTileAcc], uint32_t (&dsa)[2][4]) {
-  const float fq = float(rules::kInt8Max);
+__device__ __forceinline__ float quantize_ds_per_block(const Smem<D>& s, const ConsumerThread& th, int parity,
+                                                       const float (&ds)[kTileAcc], uint32_t (&dsa)[2][4]) {
   float m = 0.f;
 #pragma unroll
   for (int x = 0; x < kTileAcc; ++x) m = fmaxf(m, fabsf(ds[x]));
   m = frag::warp_max(m);
-  float* red = s.red() + 8 * parity;
+  float* red = s.red(parity);
   if (th.lane == 0) red[4 * th.c + th.w] = m;
   // Also orders this tile's dS stores after the other warpgroup's dQ MMA of the last tile
   // (which it waited for before arriving here).
@@ -103,22 +129,86 @@ __device__ __forceinline__ float quantize_ds(const Smem<D>& s, const ConsumerThr
   const float inv = inverse_127(all);
   const float inv2[2] = {inv, inv};
   pack_a(dsa, ds, inv2);
-  // The [row][key position] tile: row 8j + 2t + (e & 1), positions 64c + 16w + 2g (key g,
-  // e < 2) and + 1 (key g + 8, e >= 2).
-  const int kp = 64 * th.c + 16 * th.w + 2 * th.g;
-  const uint32_t ds_base = smem_addr(s.ds8());
+  store_ds_tile(s, th, ds, [&](int) { return make_float2(inv, inv); });
+  return rules::symmetric_scale(all, float(rules::kInt8Max));
+}
+
+// One step of a butterfly maximum that halves the values: the lane whose lane_mask bit is set
+// keeps the upper half of `in` (and takes its partner's upper half), the other the lower.
+template <int N>
+__device__ __forceinline__ void max_halve(const float (&in)[2 * N], float (&out)[N], bool upper, int lane_mask) {
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    const float keep = upper ? in[N + k] : in[k], give = upper ? in[k] : in[N + k];
+    out[k] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, give, lane_mask));
+  }
+}
+
+// |dS| maxima of the thread's 16 rows over the warp's 16 keys: 14 shuffles where one
+// reduction per row would take 48. Lane g ends with rows 8g + 2t and 8g + 2t + 1.
+__device__ __forceinline__ float2 row_max_over_warp(const float (&ds)[kTileAcc], int g) {
+  float m16[16], m8[8], m4[4], m2[2];  // m16[2j + e]: row 8j + 2t + e
 #pragma unroll
   for (int j = 0; j < kTileAcc / 4; ++j)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int row = 8 * j + 2 * th.t + e;
-      const uint32_t pair = code_byte(ds[4 * j + e], inv) | (code_byte(ds[4 * j + e + 2], inv) << 8);
-      const uint32_t addr = ds_base + swizzled_offset(row, kp, 128);
-      asm volatile("st.shared.u16 [%0], %1;" ::"r"(addr), "h"(uint16_t(pair)) : "memory");
-    }
-  // The tile is read by dQ's MMA through the async proxy.
-  fence_proxy_async();
-  return rules::symmetric_scale(all, fq);
+    for (int e = 0; e < 2; ++e) m16[2 * j + e] = fmaxf(fmaxf(0.f, fabsf(ds[4 * j + e])), fabsf(ds[4 * j + e + 2]));
+  // Lane bits 4, 3, 2 are g's bits 2, 1, 0, which pick j's.
+  max_halve<8>(m16, m8, (g & 4) != 0, 16);
+  max_halve<4>(m8, m4, (g & 2) != 0, 8);
+  max_halve<2>(m4, m2, (g & 1) != 0, 4);
+  return make_float2(m2[0], m2[1]);
+}
+
+// dS per token: codes per key as dK's A (dsa, scales key_scale as quantize_per_key's) and per
+// query row into the dS tile for dQ (its scales: dq_row_scales, after the kDsStored barrier).
+// The rows' maxima over the 8 warps meet in s.red(parity) by integer atomics (non-negative
+// floats order as their bits), from zero: the kernel zeroes both parities before the loop, and
+// each tile those of the other parity, whose last readers (the previous tile's) have passed
+// this tile's kDsAmax barrier and whose next writers (the next tile's) wait for its kDsStored.
+template <int D>
+__device__ __forceinline__ void quantize_ds_per_token(const Smem<D>& s, const ConsumerThread& th, int parity,
+                                                      const float (&ds)[kTileAcc], uint32_t (&dsa)[2][4],
+                                                      float (&key_scale)[2]) {
+  const float2 m = row_max_over_warp(ds, th.g);
+  unsigned* rows = reinterpret_cast<unsigned*>(s.red(parity));
+  atomicMax(rows + 8 * th.g + 2 * th.t, __float_as_uint(m.x));
+  atomicMax(rows + 8 * th.g + 2 * th.t + 1, __float_as_uint(m.y));
+  quantize_per_key(ds, dsa, key_scale);  // while the other warps arrive
+  // Also orders this tile's dS stores after the other warpgroup's dQ MMA of the last tile.
+  named_barrier_sync(kDsAmax, 128 * kConsumers);
+  if (th.c == 0 && th.w < 2) s.red(parity ^ 1)[32 * th.w + th.lane] = 0.f;
+  const float* amax = s.red(parity);
+  store_ds_tile(s, th, ds, [&](int j) {
+    const float2 a = *reinterpret_cast<const float2*>(amax + 8 * j + 2 * th.t);
+    return make_float2(inverse_127(a.x), inverse_127(a.y));
+  });
+}
+
+// dS's codes for dK (dsa) and dQ (the dS tile); key_scale[r]: dS's scale of the thread's key
+// row r (0: key g, 1: key g + 8), the tile's twice per block. `parity`: the tile's index & 1.
+template <DsGranularity G, int D>
+__device__ __forceinline__ void quantize_ds(const Smem<D>& s, const ConsumerThread& th, int parity,
+                                            const float (&ds)[kTileAcc], uint32_t (&dsa)[2][4],
+                                            float (&key_scale)[2]) {
+  if constexpr (G == DsGranularity::per_block) {
+    key_scale[0] = key_scale[1] = quantize_ds_per_block(s, th, parity, ds, dsa);
+  } else {
+    quantize_ds_per_token(s, th, parity, ds, dsa, key_scale);
+  }
+}
+
+// dQ's scales of the thread's accumulator rows (r = 0: row 16w + g, 1: + 8), s_dS,row *
+// k_scale as the contract multiplies them; tile_scale: per_block's. After the kDsStored barrier.
+template <DsGranularity G, int D>
+__device__ __forceinline__ void dq_row_scales(const Smem<D>& s, const ConsumerThread& th, int parity,
+                                              float tile_scale, float k_scale, float (&scale)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float ds_scale = tile_scale;
+    if constexpr (G == DsGranularity::per_token)
+      ds_scale = rules::symmetric_scale(s.red(parity)[16 * th.w + th.g + 8 * r], float(rules::kInt8Max));
+    scale[r] = __fmul_rn(ds_scale, k_scale);
+  }
 }
 
 }  // namespace sage::sm90::bwd

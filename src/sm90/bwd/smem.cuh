@@ -31,7 +31,11 @@ struct Smem {
   __device__ __forceinline__ uint8_t* dot8(int s) const { return stage(s) + L.stage.dot8; }
   __device__ __forceinline__ float* l2(int s) const { return reinterpret_cast<float*>(stage(s) + L.stage.l2); }
   __device__ __forceinline__ float* delta(int s) const { return reinterpret_cast<float*>(stage(s) + L.stage.delta); }
-  __device__ __forceinline__ float* red() const { return reinterpret_cast<float*>(base + L.red); }
+  // The dS amax slots of a tile parity (tile index & 1: a fast warpgroup's next tile never
+  // writes what the other still reads).
+  __device__ __forceinline__ float* red(int parity) const {
+    return reinterpret_cast<float*>(base + L.red) + kBlockQ * parity;
+  }
   __device__ __forceinline__ uint64_t* full(int s) const { return reinterpret_cast<uint64_t*>(base + L.bars) + s; }
   __device__ __forceinline__ uint64_t* empty(int s) const {
     return reinterpret_cast<uint64_t*>(base + L.bars) + kStages + s;
