@@ -6,8 +6,9 @@ sagebwd's forward alone leaves training unchanged (docs/performance.md, "Trainin
 The backward is FlashAttention's in float32 with dQ = dS K' and dK = dS^T Q taking fake-quantized
 INT8 operands as the sm_90 kernel's tiles do (docs/numerics.md, backward steps 7-8):
   - Q per 64-row tile, K' = K - mean(K) per 128-key tile, one symmetric scale each;
-  - dS per 64 x 128 tile (ds="block", the paper's and the kernel's), or per token of the tile
-    (ds="token": a scale per query row for dQ and per key for dK, so dS is quantized twice),
+  - dS per 64 x 128 tile (ds="block", the paper's and sagebwd_block's), or per token of the
+    tile (ds="token", sagebwd's: a scale per query row for dQ and per key for dK, so dS is
+    quantized twice),
     or left in float32 (ds="exact": only Q and K' quantized).
 dP = dO V^T and dV = P^T dO stay float32 (dV's INT8 P did not move the loss in the study).
 Materializes [B, H, N, N] matrices: for the study's short contexts only.

@@ -116,14 +116,16 @@ def attention_function(name: str) -> Callable:
         return emulated_attention(name[len("emu_"):])
     import sagekit
 
-    def sage(q, k, v):
-        return sagekit.sageattn(q, k, v, is_causal=True, recipe="sagebwd")
+    def sage(q, k, v, recipe="sagebwd"):
+        return sagekit.sageattn(q, k, v, is_causal=True, recipe=recipe)
 
     def sdpa(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    if name == "sagebwd":
+    if name == "sagebwd":  # dS per token
         return sage
+    if name == "sagebwd_block":  # the paper's dS, one scale per 64 x 128 tile
+        return lambda q, k, v: sage(q, k, v, recipe="sagebwd_block")
     # Diagnostics that split a gap between the passes: one pass's values, the other's gradients.
     if name == "sagebwd_fwd_only":  # sagebwd's output, SDPA's gradients
         return lambda q, k, v: (lambda ref: ref + (sage(q, k, v) - ref).detach())(sdpa(q, k, v))
@@ -134,8 +136,9 @@ def attention_function(name: str) -> Callable:
     return lambda q, k, v: _MixedGradients.apply(q, k, v, sdpa, sage, from_sage)
 
 
-ATTENTIONS = ("sdpa", "sagebwd", "sagebwd_fwd_only", "sagebwd_bwd_only", "sagebwd_dq_only",
-              "sagebwd_dk_only", "sagebwd_dv_only", "emu_block", "emu_token", "emu_exact")
+ATTENTIONS = ("sdpa", "sagebwd", "sagebwd_block", "sagebwd_fwd_only", "sagebwd_bwd_only",
+              "sagebwd_dq_only", "sagebwd_dk_only", "sagebwd_dv_only", "emu_block", "emu_token",
+              "emu_exact")
 
 
 class _MixedGradients(torch.autograd.Function):

@@ -129,7 +129,7 @@ int run_check(const std::vector<std::string>& args) {
        {"qk-channel-balance", "", "migrate scale between Q and K per channel before "
                                   "quantizing them (docs/numerics.md)"},
        {"backward", "", "the gradients dQ, dK, dV instead of the output (CPU; the recipes with "
-                        "a backward: sagebwd)"},
+                        "a backward: sagebwd, sagebwd_block)"},
        {"dp-format", "fp16|int8", "with --backward: dP = dO V^T in this format instead of the "
                                   "preset's (int8: SageBwd's ablation)"}},
       args);

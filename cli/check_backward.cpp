@@ -1,6 +1,6 @@
-// `sage check --backward`: the gradients of the recipes that have a backward (sagebwd), the CPU
-// simulator against float64 (docs/numerics.md, "The backward"), on the synthetic inputs with
-// an fp16 N(0, 1) output gradient.
+// `sage check --backward`: the gradients of the recipes that have a backward (sagebwd,
+// sagebwd_block), the CPU simulator against float64 (docs/numerics.md, "The backward"), on the
+// synthetic inputs with an fp16 N(0, 1) output gradient.
 #include <cmath>
 #include <cstdio>
 #include <iostream>

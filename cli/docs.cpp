@@ -151,7 +151,7 @@ std::string accum_words(const Recipe& r) {
   return "";
 }
 
-// The backward's matmuls in words (recipes with a backward: sagebwd).
+// The backward's matmuls in words (recipes with a backward: sagebwd, sagebwd_block).
 std::string backward_words(const Recipe& r) {
   auto fmt = [](BwdFormat f) { return f == BwdFormat::int8 ? "INT8" : "16 bits"; };
   auto per = [](Granularity g, const char* token) {
@@ -164,8 +164,8 @@ std::string backward_words(const Recipe& r) {
   os << ", dP = dO V^T in " << fmt(r.dp_format) << ", dQ = dS K in " << fmt(r.dq_format)
      << ", dK = dS^T Q in " << fmt(r.dk_format);
   if (r.dq_format == BwdFormat::int8 || r.dk_format == BwdFormat::int8)
-    os << per(r.bwd_ds_granularity, "output token of dS's tile");
-  os << "; docs/numerics.md, \"The backward\".";
+    os << per(r.bwd_ds_granularity, "query row of dS's tile for dQ and per key for dK");
+  os << "; docs/numerics.md, \"The backward\" (its \"Options\" say why sagebwd takes dS per token).";
   return os.str();
 }
 

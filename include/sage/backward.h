@@ -1,10 +1,10 @@
 // The backward pass of attention (training): the gradients of out = softmax(sm_scale Q K^T +
 // mask) V with respect to Q, K and V, given the gradient dO of the output.
 //
-// Only recipes with a backward (has_backward: the sagebwd preset, SageBwd's configuration, or
-// a custom recipe that sets the four backward formats) have one; docs/numerics.md, "The
-// backward", states what it computes step by step. The CPU references and the GPU entry point
-// (attention_backward, sm_90a: sagebwd's configuration) live here.
+// Only recipes with a backward (has_backward: the sagebwd and sagebwd_block presets, SageBwd's
+// configuration, or a custom recipe that sets the four backward formats) have one;
+// docs/numerics.md, "The backward", states what it computes step by step. The CPU references
+// and the GPU entry point (attention_backward, sm_90a: sagebwd's configuration) live here.
 //
 // Shapes follow attention.h (HND shown; NHD swaps tokens and heads):
 //   q, dout, dq, out  [batch, heads_q,  n_q,  head_dim]
@@ -55,8 +55,9 @@ Problem check_backward_args(const BackwardArgs& args, DeviceKind device);
 //
 // Which recipes: those whose backward the sm_90 kernel implements (gpu_supports_backward):
 // sagebwd's choices, INT8 Q/K per_block (K smoothing optional), dV, dQ, dK int8, dP fp16, P per
-// key (bwd_p_granularity per_token), dS per tile (bwd_ds_granularity per_block). Any other
-// recipe is refused by name (no fallback); the simulator runs them.
+// key (bwd_p_granularity per_token), and dS per token or per tile (bwd_ds_granularity
+// per_token: sagebwd; per_block: sagebwd_block). Any other recipe is refused by name (no
+// fallback); the simulator runs them.
 //
 // Determinism: dQ is summed across the K/V tiles' CTAs and dK, dV across a GQA group's query
 // heads with fp32 atomics, so the order of those float additions (and the last bits of dq, and

@@ -88,7 +88,7 @@ enum class Inputs : uint8_t { floating, prequantized_int8 };
 // Operands of one matmul of the backward pass (training; docs/numerics.md, "The backward").
 // A recipe has a backward when all four of its backward formats are set, and none otherwise.
 enum class BwdFormat : uint8_t {
-  none,  // the recipe has no backward (every preset but sagebwd)
+  none,  // the recipe has no backward (every preset but sagebwd, sagebwd_block)
   fp16,  // 16-bit floats in the inputs' dtype (fp16, bf16; f32 inputs: fp16), fp32 accumulation
   int8,  // symmetric INT8 with int32 accumulation; scale groups: backward.h, bwd_*_granularity
 };
@@ -154,7 +154,9 @@ struct Recipe {
 //   sage2pp_8b, sage2pp_4b                  SageAttention2++ (FP16-accumulated FP8 PV)
 //   sage3_fp4                               SageAttention3 (NVFP4, two-level P)
 //   int_flash, int_flash_q                  INT-FlashAttention (prequantized / fp16 inputs)
-//   sagebwd                                 SageBwd (INT8 forward and backward, dO V^T in FP16)
+//   sagebwd                                 SageBwd (INT8 forward and backward, dO V^T in FP16;
+//                                           dS per token)
+//   sagebwd_block                           sagebwd with the paper's dS, one scale per tile
 const std::vector<Recipe>& presets();
 // Looks a preset up by name; throws sage::Error("recipe", ...) listing the names otherwise.
 const Recipe& preset(const std::string& name);

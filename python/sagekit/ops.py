@@ -22,8 +22,9 @@ Ops:
                                        window_right, scale, recipe) -> (dq, dk, dv)
     the gradients of sagekit::attention's output (the C++ attention_backward: the recipe's
     forward again, then its backward); dq, dk, dv: q's, k's and v's shapes, contiguous in
-    the call's layout, q's dtype. Only recipes with a backward (sagebwd) and no sliding
-    window; anything else raises sagekit.ArgumentError naming `recipe` or `window_size`.
+    the call's layout, q's dtype. Only recipes with a backward (sagebwd, sagebwd_block) and
+    no sliding window; anything else raises sagekit.ArgumentError naming `recipe` or
+    `window_size`.
     sagekit::attention's registered autograd formula calls it, so loss.backward() through
     sageattn(..., recipe="sagebwd") works, in eager mode, under torch.compile and in CUDA
     graphs. The LSE output is not differentiable (see _attention_setup_context).

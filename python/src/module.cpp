@@ -482,7 +482,7 @@ NB_MODULE(_C, m) {
       "with fp32 atomics (not bit-deterministic run to run). q, k, v: as for attention(); "
       "dout: q's shape and dtype; dq, dk, dv: q's, k's and v's shapes, written; out: q's "
       "shape, lse: [batch, heads_q, n_q] float32, optional, written. recipe: one the sm_90 "
-      "backward implements (gpu_supports_backward: sagebwd). workspace: a contiguous device "
+      "backward implements (gpu_supports_backward: sagebwd, sagebwd_block). workspace: a contiguous device "
       "buffer of at least backward_workspace_bytes(...) bytes aligned to 256, or a "
       "callable(nbytes) returning one.");
   m.def(
@@ -506,13 +506,14 @@ NB_MODULE(_C, m) {
       [](nb::handle recipe) { return sage::gpu_supports_backward(recipe_from(recipe)); },
       "recipe"_a.none(),
       "Whether the sm_90 backward implements a recipe (preset name, spec string or dict) in "
-      "this build: sagebwd's configuration (False in a build without CUDA); "
+      "this build: sagebwd's configuration, dS per token (sagebwd) or per tile (sagebwd_block) "
+      "(False in a build without CUDA); "
       "attention_backward() refuses the others naming what is missing.");
   m.def(
       "has_backward", [](nb::handle recipe) { return sage::has_backward(recipe_from(recipe)); },
       "recipe"_a.none(),
-      "Whether a recipe has a backward at all (its backward formats are set: sagebwd and its "
-      "variants); the CPU simulator runs every such recipe.");
+      "Whether a recipe has a backward at all (its backward formats are set: sagebwd, "
+      "sagebwd_block and their variants); the CPU simulator runs every such recipe.");
 
   // The CPU references share everything but the function they call.
   auto host_reference = [](void (*reference)(const sage::AttentionArgs&)) {
@@ -563,7 +564,7 @@ NB_MODULE(_C, m) {
   m.def("simulate_backward", host_backward(&sage::reference::simulate_backward),
         SAGEKIT_BACKWARD_KWARGS,
         (std::string("The recipe's forward and backward on the CPU as docs/numerics.md (\"The "
-                     "backward\") states them; the recipe must have a backward (sagebwd). ") +
+                     "backward\") states them; the recipe must have a backward (sagebwd, sagebwd_block). ") +
          backward_doc)
             .c_str());
   m.def("exact_backward", host_backward(&sage::reference::exact_backward), SAGEKIT_BACKWARD_KWARGS,

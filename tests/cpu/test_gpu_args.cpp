@@ -7,6 +7,7 @@
 #include <string>
 
 #include "sage/attention.h"
+#include "sage/backward.h"
 
 namespace {
 
@@ -172,6 +173,37 @@ TEST_F(GpuArgs, WorkspaceTooSmallOrMissing) {
     ADD_FAILURE() << "a misaligned workspace was accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.argument(), "workspace");
+  }
+}
+
+// The sm_90 backward has a kernel for every preset with a backward: dS per token (sagebwd) and
+// per tile (sagebwd_block), each its own instantiation; what it lacks (P per tile, the paper's,
+// here) is refused by name before anything runs.
+TEST_F(GpuArgs, BackwardPresetsHaveAKernelAndPTilesAreRefusedByName) {
+  for (const Recipe& r : presets()) EXPECT_EQ(gpu_supports_backward(r), has_backward(r)) << r.name;
+  const AttentionArgs f = make();
+  BackwardArgs a;
+  a.q = f.q, a.k = f.k, a.v = f.v, a.dout = f.out;
+  a.dq = contiguous_view(storage(), DType::f16, {B, H, N, D}, Device::cuda(0));
+  a.dk = contiguous_view(storage(), DType::f16, {B, H, N, D}, Device::cuda(0));
+  a.dv = contiguous_view(storage(), DType::f16, {B, H, N, D}, Device::cuda(0));
+  for (const char* name : {"sagebwd", "sagebwd_block"}) {
+    a.recipe = preset(name);
+    EXPECT_GT(backward_workspace_bytes(a), size_t(0)) << name;
+  }
+  a.recipe = preset("sagebwd");
+  a.recipe.name = "sagebwd_p_tile";
+  a.recipe.bwd_p_granularity = Granularity::per_block;
+  EXPECT_FALSE(gpu_supports_backward(a.recipe));
+  try {
+    backward_workspace_bytes(a);
+    ADD_FAILURE() << "P per tile was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "recipe") << e.what();
+    EXPECT_NE(std::string(e.what()).find("'sagebwd_p_tile' has no sm_90 backward (the kernel needs "
+                                         "bwd_p_granularity per_token"),
+              std::string::npos)
+        << e.what();
   }
 }
 #else

@@ -41,7 +41,7 @@ double half_ulp(float z) {
 const std::set<std::string>& integer_max_presets() {
   static const std::set<std::string> names = {"sage1_b",          "sage1_vb",          "sage2_8b",
                                               "sage2_8b_vsmooth", "sage2_8b_balanced", "sage2pp_8b",
-                                              "sagebwd"};
+                                              "sagebwd",          "sagebwd_block"};
   return names;
 }
 

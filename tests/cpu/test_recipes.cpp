@@ -335,7 +335,24 @@ TEST(Recipes, SagebwdIsThePapersTrainingRecipe) {
   EXPECT_NE(recipe_summary(r).find("backward dV int8 (P per_token), dP fp16"), std::string::npos)
       << recipe_summary(r);
   for (const Recipe& other : presets())
-    if (other.name != "sagebwd") EXPECT_FALSE(has_backward(other)) << other.name;
+    if (other.name != "sagebwd" && other.name != "sagebwd_block") EXPECT_FALSE(has_backward(other)) << other.name;
+}
+
+// sagebwd quantizes dS per token (per query row for dQ, per key for dK); sagebwd_block is the
+// same recipe with the paper's one dS scale per backward tile, and nothing else differs.
+TEST(Recipes, SagebwdTakesDsPerTokenAndSagebwdBlockPerTile) {
+  const Recipe& token = preset("sagebwd");
+  const Recipe& block = preset("sagebwd_block");
+  EXPECT_EQ(token.bwd_ds_granularity, Granularity::per_token);
+  EXPECT_EQ(block.bwd_ds_granularity, Granularity::per_block);
+  EXPECT_NE(recipe_summary(token).find("(dS per_token)"), std::string::npos) << recipe_summary(token);
+  EXPECT_NE(recipe_summary(block).find("(dS per_block)"), std::string::npos) << recipe_summary(block);
+  EXPECT_EQ(recipe_paper(block), recipe_paper(token));
+  Recipe same = block;
+  same.name = token.name;
+  same.bwd_ds_granularity = Granularity::per_token;
+  EXPECT_EQ(recipe_summary(same), recipe_summary(token));
+  EXPECT_NO_THROW(validate_recipe(block));
 }
 
 TEST(ValidateRecipe, PerTokenPAndPerBlockVAreInt8Only) {

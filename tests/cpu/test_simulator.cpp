@@ -268,6 +268,15 @@ const std::map<std::string, BoundRow>& bounds() {
         {"v_bias", {3.3e-06, 0.0022}},
         {"sink", {0.00033, 0.024}},
         {"channel_offset", {0.0097, 0.14}}}},
+      {"sagebwd_block",  // sagebwd's forward
+       {{"normal", {0.00036, 0.027}},
+        {"k_bias", {0.00034, 0.027}},
+        {"qk_bias", {0.00053, 0.035}},
+        {"outliers", {0.0046, 0.044}},
+        {"sharp", {0.0013, 0.041}},
+        {"v_bias", {3.3e-06, 0.0022}},
+        {"sink", {0.00033, 0.024}},
+        {"channel_offset", {0.0097, 0.14}}}},
   };
   return table;
 }

@@ -78,7 +78,10 @@ def test_backward_options_round_trip_through_the_recipe_vocabulary():
     assert (r["dv_format"], r["dp_format"], r["dq_format"], r["dk_format"]) == \
         ("int8", "fp16", "int8", "int8")
     assert (r["p_scale"], r["v_scale"]) == ("per_token", "per_block")
-    assert (r["bwd_p_granularity"], r["bwd_ds_granularity"]) == ("per_token", "per_block")
+    assert (r["bwd_p_granularity"], r["bwd_ds_granularity"]) == ("per_token", "per_token")
+    # The paper's dS, one scale per tile, is the preset sagebwd_block.
+    assert sagekit.recipe("sagebwd", bwd_ds_granularity="per_block") == sagekit.recipe("sagebwd_block")
+    assert sagekit.recipe("sagebwd_block")["bwd_ds_granularity"] == "per_block"
     assert sagekit.recipe("sagebwd", dp_format="int8")["name"] == "custom"
     assert sagekit.recipe("sage2_8b")["dv_format"] == "none"
     with pytest.raises(sagekit.ArgumentError) as e:

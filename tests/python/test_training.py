@@ -45,8 +45,10 @@ def test_binding_backward_entry_points():
         check_argument_error("device", C.attention_backward, *args)
     assert C.has_backward("sagebwd") and C.has_backward("sagebwd,dp_format=int8")
     assert not C.has_backward("sage2_8b") and not C.has_backward("int_flash")
-    assert C.gpu_supports_backward("sagebwd") is sagekit.cuda_built
-    assert sagekit.gpu_supports_backward("sagebwd") is sagekit.cuda_built
+    for name in ("sagebwd", "sagebwd_block"):  # dS per token, dS per tile: a kernel each
+        assert C.has_backward(name)
+        assert C.gpu_supports_backward(name) is sagekit.cuda_built
+        assert sagekit.gpu_supports_backward(name) is sagekit.cuda_built
     assert C.gpu_supports_backward("sage2_8b") is False                # no backward at all
     assert C.gpu_supports_backward("sagebwd,dp_format=int8") is False  # simulator only
 
