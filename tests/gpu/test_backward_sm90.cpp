@@ -2,7 +2,9 @@
 // simulator (reference::simulate_backward, the bit-level contract of docs/numerics.md, "The
 // backward") and against float64 gradients (reference::exact_backward), on fixed shapes and on
 // 300 randomized seeded cases (shapes, odd and tiny lengths, causal, GQA/MQA, fp16/bf16, HND and
-// NHD, strided views, distributions). Skipped, visibly, without an sm_90 GPU.
+// NHD, strided views, distributions, dS per token or per tile). Both dS granularities have a
+// kernel each: sagebwd (per token) and sagebwd_block (per tile) run every fixed case. Skipped,
+// visibly, without an sm_90 GPU.
 //
 // Bounds (docs/numerics.md, "GPU against the simulator (backward)": the kernel differs from the
 // simulator only in the order of float additions, fp32 sums of its 16-bit MMA where the contract
@@ -38,6 +40,7 @@ namespace sage::testing {
 namespace {
 
 struct BwdCase {
+  std::string recipe = "sagebwd";  // or sagebwd_block: dS per token or per tile
   int64_t batch = 1, heads_q = 2, heads_kv = 2, n_q = 256, n_kv = 256, head_dim = 128;
   bool causal = false;
   DType dtype = DType::f16;
@@ -51,8 +54,8 @@ struct BwdCase {
   uint64_t seed = 0;
   std::string describe() const {
     char buf[256];
-    std::snprintf(buf, sizeof buf, "b%lld hq%lld hkv%lld nq%lld nkv%lld d%lld %s %s %s%s%s %s seed %llu",
-                  (long long)batch, (long long)heads_q, (long long)heads_kv, (long long)n_q,
+    std::snprintf(buf, sizeof buf, "%s b%lld hq%lld hkv%lld nq%lld nkv%lld d%lld %s %s %s%s%s %s seed %llu",
+                  recipe.c_str(), (long long)batch, (long long)heads_q, (long long)heads_kv, (long long)n_q,
                   (long long)n_kv, (long long)head_dim, causal ? "causal" : "full",
                   dtype == DType::bf16 ? "bf16" : "f16", layout == Layout::HND ? "HND" : "NHD",
                   strided ? " strided" : "", with_out_lse ? (saved_forward ? " saved-fwd" : "") : " no-out",
@@ -188,7 +191,7 @@ Reference run_reference(const BwdCase& c, Inputs& x, void (*fn)(const BackwardAr
   a.lse = contiguous_view(lse.data(), DType::f32, {c.batch, c.heads_q, c.n_q});
   a.layout = c.layout;
   a.causal = c.causal;
-  a.recipe = preset("sagebwd");
+  a.recipe = preset(c.recipe);
   fn(a);
   Reference r{dq.hnd(), dk.hnd(), dv.hnd(), out.hnd(), lse};
   r.lse.resize(size_t(c.batch * c.heads_q * c.n_q));
@@ -244,7 +247,7 @@ Kernel run_kernel(const BwdCase& c, Inputs& x) {
   }
   a.layout = c.layout;
   a.causal = c.causal;
-  a.recipe = preset("sagebwd");
+  a.recipe = preset(c.recipe);
   float* lse2_d = nullptr;
   if (c.saved_forward) {
     check(cudaMalloc(&lse2_d, lse_n * 4), "cudaMalloc lse2");
@@ -393,23 +396,33 @@ std::vector<BwdCase> fixed_cases() {
   return v;
 }
 
-TEST(Sm90Backward, FixedShapesMatchTheSimulatorAndExactGradients) {
-  SAGE_REQUIRE_GPU();
-  for (const BwdCase& c : fixed_cases()) expect_case(c);
-}
-
-// Every synthetic distribution at one shape (K bias exercises K smoothing's invariance).
-TEST(Sm90Backward, Distributions) {
-  SAGE_REQUIRE_GPU();
-  for (const std::string& dist : reference::synthetic_distributions()) {
-    BwdCase c;
-    c.distribution = dist, c.n_q = 192, c.n_kv = 320, c.causal = true;
+void run_fixed(const std::string& recipe) {
+  for (BwdCase c : fixed_cases()) {
+    c.recipe = recipe;
     expect_case(c);
   }
 }
+TEST(Sm90Backward, FixedShapesMatchTheSimulatorAndExactGradients) { SAGE_REQUIRE_GPU(); run_fixed("sagebwd"); }
+TEST(Sm90Backward, FixedShapesDsPerTileMatchTheSimulatorAndExactGradients) {
+  SAGE_REQUIRE_GPU();
+  run_fixed("sagebwd_block");
+}
+
+// Every synthetic distribution at one shape (K bias exercises K smoothing's invariance), with
+// dS per token and per tile.
+TEST(Sm90Backward, Distributions) {
+  SAGE_REQUIRE_GPU();
+  for (const char* recipe : {"sagebwd", "sagebwd_block"})
+    for (const std::string& dist : reference::synthetic_distributions()) {
+      BwdCase c;
+      c.recipe = recipe, c.distribution = dist, c.n_q = 192, c.n_kv = 320, c.causal = true;
+      expect_case(c);
+    }
+}
 
 // Randomized seeded cases: shapes (odd and tiny lengths), causal, GQA/MQA, dtypes, layouts,
-// strides, distributions. 300 in all, in three tests so that a failure names its third.
+// strides, distributions, dS granularities. 300 in all, in three tests so that a failure names
+// its third.
 BwdCase random_case(uint64_t seed) {
   reference::Rng rng(0x5A6EB3D + seed * 7919);
   auto pick = [&](std::initializer_list<int64_t> xs) {
@@ -433,6 +446,7 @@ BwdCase random_case(uint64_t seed) {
   c.saved_forward = c.with_out_lse && seed % 3 == 1;  // not from rng: the other draws stay
   const std::vector<std::string>& dists = reference::synthetic_distributions();
   c.distribution = rng.uniform() < 0.6 ? "normal" : dists[size_t(rng.uniform() * dists.size()) % dists.size()];
+  c.recipe = rng.uniform() < 0.5 ? "sagebwd" : "sagebwd_block";  // drawn last: the draws above stay
   return c;
 }
 
@@ -477,6 +491,11 @@ TEST(Sm90Backward, RecipesWithoutAKernelAreRefusedByName) {
   r.name = "sagebwd_p_tile";
   r.bwd_p_granularity = Granularity::per_block;
   expect_refused(r, "recipe", "'sagebwd_p_tile' has no sm_90 backward (the kernel needs bwd_p_granularity per_token");
+  // Both dS granularities have a kernel.
+  for (const char* name : {"sagebwd", "sagebwd_block"}) {
+    a.recipe = preset(name);
+    EXPECT_GT(backward_workspace_bytes(a), size_t(0)) << name;
+  }
 }
 
 // The backward kernel exists at head_dim 64 and 128 (kernel_traits.h, backward_has_kernel):
@@ -509,15 +528,18 @@ TEST(Sm90Backward, HeadDimsWithoutABackwardKernelAreRefusedByName) {
 }  // namespace
 
 // For compute-sanitizer (scripts/gpu_run.sh, stage `sanitize`): one small causal GQA case with
-// partial tiles at each head dim.
+// partial tiles at each head dim and dS granularity. The first K/V tile's CTAs run 3 Q tiles,
+// so that per token a shared-memory slot of the rows' maxima is zeroed and used again
+// (quantize.cuh, quantize_ds_per_token).
 TEST(Sm90Sanitize, Backward) {
   SAGE_REQUIRE_GPU();
-  for (int64_t d : {64, 128}) {
-    BwdCase c;
-    c.head_dim = d, c.heads_q = 4, c.heads_kv = 2, c.n_q = 70, c.n_kv = 130, c.causal = true;
-    c.strided = true, c.layout = Layout::NHD;
-    expect_case(c);
-  }
+  for (const char* recipe : {"sagebwd", "sagebwd_block"})
+    for (int64_t d : {64, 128}) {
+      BwdCase c;
+      c.recipe = recipe, c.head_dim = d, c.heads_q = 4, c.heads_kv = 2, c.n_q = 200, c.n_kv = 130;
+      c.causal = true, c.strided = true, c.layout = Layout::NHD;
+      expect_case(c);
+    }
 }
 
 }  // namespace sage::testing
