@@ -94,7 +94,7 @@ tmp_json=$(mktemp)
 expect 0 "sage2_8b (default)" -- "$sage" recipes
 expect 0 "int_flash" -- "$sage" check --device cpu --recipe sage2_8b,int_flash --dist normal --n 256 --json "$tmp_json"
 expect 0 '"compared": "simulate_vs_exact"' -- cat "$tmp_json"
-expect 0 "sagebwd dp_format=int8  normal" -- "$sage" check --backward --dp-format int8 --dist normal --n 128
+expect 0 "sagebwd_block dp_format=int8  normal" -- "$sage" check --backward --dp-format int8 --dist normal --n 128
 expect 2 "--backward runs on the CPU" -- "$sage" check --backward --device gpu
 expect 2 "--n must be an integer" -- "$sage" check --n 0
 expect 2 "unknown flag '--frob'" -- "$sage" check --frob
