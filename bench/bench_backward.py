@@ -15,14 +15,14 @@ FlashAttention convention. Records have bench_sdpa.py's keys plus "pass".
 Accuracy (--accuracy-json): N = 4096, d = 128, one batch, 2 heads, bf16 inputs from a few of
 the synthetic distributions (docs/numerics.md; drawn here with torch, not the library's
 generator), dO ~ N(0, 1): cosine and relative L1 of dQ, dK, dV against float64 autograd,
-for sagebwd and for SDPA in bf16 (its flash backend) on the GPU, and for the bit-faithful CPU
-simulator (sagekit.simulate_backward) with sagebwd and with its INT8-dP ablation
+for --recipe (default sagebwd) and for SDPA in bf16 (its flash backend) on the GPU, and for the
+bit-faithful CPU simulator (sagekit.simulate_backward) with the recipe and with its INT8-dP ablation
 (dp_format=int8, which has no GPU kernel), on the same inputs. The simulator rows need no GPU
 and give the same numbers on any machine (about 2 minutes on 2 cores); without CUDA only they
 run. --accuracy-impls picks the rows, --accuracy-merge keeps an existing file's other records:
 
     python3 bench/bench_backward.py --accuracy-json bench/results/h100_backward_accuracy.json \
-        --accuracy-impls sagebwd-simulator,sagebwd-int8dp-simulator --accuracy-merge
+        --accuracy-impls simulator,simulator-int8dp --accuracy-merge
 """
 import argparse
 import json
@@ -38,7 +38,7 @@ from cuda_timing import median_ms
 
 
 
-def attention_impls(causal: bool):
+def attention_impls(causal: bool, recipe: str):
     import sagekit
 
     def sdpa(backend):
@@ -47,7 +47,7 @@ def attention_impls(causal: bool):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return run
 
-    return {"sagekit": lambda q, k, v: sagekit.sageattn(q, k, v, is_causal=causal, recipe="sagebwd"),
+    return {"sagekit": lambda q, k, v: sagekit.sageattn(q, k, v, is_causal=causal, recipe=recipe),
             "torch-flash": sdpa(SDPBackend.FLASH_ATTENTION),
             "torch-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
 
@@ -65,7 +65,7 @@ def speed(args):
         douts = [torch.randn(batch, args.heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
         fwd_ops = 4.0 * batch * args.heads * n * n * d / (2 if causal else 1)
         row = {}
-        for name, attn in attention_impls(bool(causal)).items():
+        for name, attn in attention_impls(bool(causal), args.recipe).items():
             kept = [attn(*s) for s in sets]   # graphs for the "bwd" pass
 
             def fwd(i):
@@ -87,7 +87,7 @@ def speed(args):
                     continue
                 tops = factor * fwd_ops / (ms * 1e-3) / 1e12
                 row[f"{name} {pass_name}"] = tops
-                records.append(dict(impl=name, recipe="sagebwd" if name == "sagekit" else "bf16",
+                records.append(dict(impl=name, recipe=args.recipe if name == "sagekit" else "bf16",
                                     d=d, causal=bool(causal), n=n, batch=batch, heads=args.heads,
                                     dtype="bfloat16", whole_call=True, ms=ms, tops=tops, device=dev,
                                     **{"pass": pass_name}))
@@ -123,9 +123,10 @@ def distribution(name: str, n: int, d: int, heads: int, gen: torch.Generator):
 
 
 # Accuracy rows: the GPU's (sagekit.sageattn, torch SDPA) and the CPU simulator's recipes.
-GPU_IMPLS = ("sagebwd", "torch-sdpa-bf16")
-SIMULATOR_RECIPES = {"sagebwd-simulator": "sagebwd",
-                     "sagebwd-int8dp-simulator": "sagebwd,dp_format=int8"}
+# The recipe (--recipe) runs as "sagekit" on the GPU and "simulator" on the CPU; "simulator-int8dp"
+# is its INT8-dP ablation (dp_format=int8, simulator only).
+GPU_IMPLS = ("sagekit", "torch-sdpa-bf16")
+SIMULATOR_OPTIONS = {"simulator": "", "simulator-int8dp": ",dp_format=int8"}
 
 
 def gradient_metrics(grads, ref) -> dict:
@@ -143,15 +144,15 @@ def accuracy(args):
     import sagekit
 
     impls = args.accuracy_impls.split(",")
-    unknown = [i for i in impls if i not in GPU_IMPLS and i not in SIMULATOR_RECIPES]
+    unknown = [i for i in impls if i not in GPU_IMPLS and i not in SIMULATOR_OPTIONS]
     if unknown:
         raise ValueError(f"unknown --accuracy-impls {unknown}; known: "
-                         f"{', '.join(GPU_IMPLS + tuple(SIMULATOR_RECIPES))}")
+                         f"{', '.join(GPU_IMPLS + tuple(SIMULATOR_OPTIONS))}")
     cuda = torch.cuda.is_available()
     if not cuda and any(i in GPU_IMPLS for i in impls):
         print(f"no CUDA: skipping {', '.join(i for i in impls if i in GPU_IMPLS)}", flush=True)
         impls = [i for i in impls if i not in GPU_IMPLS]
-    gpu_fns = {"sagebwd": lambda a, b, c: sagekit.sageattn(a, b, c, recipe="sagebwd"),
+    gpu_fns = {"sagekit": lambda a, b, c: sagekit.sageattn(a, b, c, recipe=args.recipe),
                "torch-sdpa-bf16": lambda a, b, c: F.scaled_dot_product_attention(a, b, c)}
     dev = "cuda" if cuda else "cpu"
     gen = torch.Generator().manual_seed(0)
@@ -174,8 +175,9 @@ def accuracy(args):
                 inputs = [x.cuda().requires_grad_() for x in (q, k, v)]
                 grads = torch.autograd.grad(gpu_fns[name](*inputs), inputs, do.cuda())
             else:
-                grads = sagekit.simulate_backward(q, k, v, do, recipe=SIMULATOR_RECIPES[name])
-            row = dict(distribution=dist, impl=name, n=args.acc_n, d=128, dtype="bfloat16",
+                grads = sagekit.simulate_backward(q, k, v, do, recipe=args.recipe + SIMULATOR_OPTIONS[name])
+            recipe = "bf16" if name == "torch-sdpa-bf16" else args.recipe + SIMULATOR_OPTIONS.get(name, "")
+            row = dict(distribution=dist, impl=name, recipe=recipe, n=args.acc_n, d=128, dtype="bfloat16",
                        heads=args.acc_heads)
             row.update(gradient_metrics(grads, ref))
             rows.append(row)
@@ -210,7 +212,8 @@ def main():
     ap.add_argument("--distributions", default="normal,k_bias,qk_bias,v_bias,sharp")
     ap.add_argument("--acc-n", type=int, default=4096)
     ap.add_argument("--acc-heads", type=int, default=2)
-    ap.add_argument("--accuracy-impls", default=",".join(GPU_IMPLS + tuple(SIMULATOR_RECIPES)),
+    ap.add_argument("--recipe", default="sagebwd", help="a preset with a backward")
+    ap.add_argument("--accuracy-impls", default=",".join(GPU_IMPLS + tuple(SIMULATOR_OPTIONS)),
                     help="accuracy rows to compute (the GPU ones are skipped without CUDA)")
     ap.add_argument("--accuracy-merge", action="store_true",
                     help="keep the --accuracy-json file's records other than those recomputed")

@@ -248,7 +248,7 @@ if has bwdbench; then
   # The GPU rows only: the simulator's (the INT8-dP ablation) are the same on any machine.
   log backward accuracy and speed
   python3 bench/bench_backward.py --accuracy-json "$OUT/backward_accuracy.json" \
-    --accuracy-impls sagebwd,torch-sdpa-bf16 \
+    --accuracy-impls sagekit,torch-sdpa-bf16 \
     --json "$OUT/h100_backward.json" --ns "${NS:-1024,2048,4096,8192,16384}" 2>&1 | grep -vi warn | tail -40
 fi
 if has parity; then

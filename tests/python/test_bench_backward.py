@@ -13,7 +13,7 @@ from conftest import needs_torch
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results" / "h100_backward_accuracy.json"
-SIMULATOR_IMPLS = ("sagebwd-simulator", "sagebwd-int8dp-simulator")
+SIMULATOR_IMPLS = ("simulator", "simulator-int8dp")
 
 
 def _bench():
@@ -26,7 +26,7 @@ def _bench():
 
 
 def _args(**kw):
-    args = dict(distributions="normal,v_bias", acc_n=256, acc_heads=1,
+    args = dict(distributions="normal,v_bias", acc_n=256, acc_heads=1, recipe="sagebwd",
                 accuracy_impls=",".join(SIMULATOR_IMPLS))
     args.update(kw)
     return argparse.Namespace(**args)
@@ -41,7 +41,8 @@ def test_simulator_rows_have_the_gpu_rows_keys_and_show_the_ablation():
     gpu_keys = set(json.loads(RESULTS.read_text())[0])
     by = {(r["distribution"], r["impl"]): r for r in rows}
     for r in rows:
-        assert set(r) == gpu_keys | {"heads"}
+        assert set(r) == gpu_keys | {"heads"}  # the GPU records predate the key
+        assert r["recipe"] == "sagebwd" + ("" if r["impl"] == "simulator" else ",dp_format=int8")
         assert (r["n"], r["d"], r["heads"], r["dtype"]) == (256, 128, 1, "bfloat16")
         assert not (r["dq_nan"] or r["dk_nan"] or r["dv_nan"])
         assert min(r["dq_cosine"], r["dk_cosine"]) > 0.99 and r["dv_cosine"] > 0.999
@@ -62,8 +63,8 @@ def test_gpu_rows_are_skipped_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA is present, so the GPU rows would run")
     bb = _bench()
-    rows = bb.accuracy(_args(distributions="normal", accuracy_impls="sagebwd,sagebwd-simulator"))
-    assert [r["impl"] for r in rows] == ["sagebwd-simulator"]
+    rows = bb.accuracy(_args(distributions="normal", accuracy_impls="sagekit,simulator"))
+    assert [r["impl"] for r in rows] == ["simulator"]
     with pytest.raises(ValueError, match="unknown --accuracy-impls"):
         bb.accuracy(_args(accuracy_impls="sagebwd-int4"))
 
@@ -87,7 +88,8 @@ def test_recorded_simulator_rows_match_the_gpu_rows():
     dists = sorted({r["distribution"] for r in rows})
     assert len(dists) == 5
     for dist in dists:
-        gpu, sim, int8 = (by[(dist, i)] for i in ("sagebwd",) + SIMULATOR_IMPLS)
+        gpu, sim, int8 = (by[(dist, i)] for i in ("sagekit",) + SIMULATOR_IMPLS)
+        assert gpu["recipe"] == sim["recipe"] == "sagebwd_block"  # the records' kernel: dS per tile
         assert (sim["n"], sim["d"], sim["heads"]) == (int8["n"], int8["d"], int8["heads"]) == (4096, 128, 2)
         for g in ("dq", "dk", "dv"):
             assert sim[f"{g}_cosine"] == pytest.approx(gpu[f"{g}_cosine"], abs=1e-5)
