@@ -6,6 +6,7 @@
 // is checked here first, in check_args' order (recipe, presence, memory, dtype, shape).
 #include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "api/varlen_gpu.h"
@@ -174,9 +175,11 @@ TensorView per_sequence_view(const TensorView& packed, int64_t batch, int64_t ma
   return t;
 }
 
-}  // namespace
-
-VarlenGpuCall check_varlen_args_gpu(const VarlenArgs& a) {
+// The rules a packed call shares on both devices: the recipe, ranks, the offsets' views
+// (device memory on cuda, never read here; host memory on cpu), packed shapes, then every
+// dense rule over all tokens at once (dtypes, devices, strides, head dims, GQA, the window's
+// values, sm_scale) on that device's terms.
+Problem check_packed_call(const VarlenArgs& a, DeviceKind kind) {
   validate_recipe(a.recipe);
   if (a.recipe.inputs != Inputs::floating)
     throw Error("recipe.inputs", "packed variable-length batches take floating inputs only "
@@ -186,8 +189,10 @@ VarlenGpuCall check_varlen_args_gpu(const VarlenArgs& a) {
   require_rank(a.v, "v", 3, "[total_k, heads_kv, head_dim]");
   require_rank(a.out, "out", 3, "[total_q, heads_q, head_dim]");
   if (a.lse.defined()) require_rank(a.lse, "lse", 2, "[heads_q, total_q] (f32)");
-  check_device_offsets_view(a.cu_seqlens_q, "cu_seqlens_q", a.q.device);
-  check_device_offsets_view(a.cu_seqlens_k, "cu_seqlens_k", a.q.device);
+  for (const auto& [view, name] : {std::pair{&a.cu_seqlens_q, "cu_seqlens_q"}, std::pair{&a.cu_seqlens_k, "cu_seqlens_k"}}) {
+    if (kind == DeviceKind::cuda) check_device_offsets_view(*view, name, a.q.device);
+    else check_offsets_view(*view, name);
+  }
   if (a.cu_seqlens_k.shape[0] != a.cu_seqlens_q.shape[0])
     throw Error("cu_seqlens_k", "must have cu_seqlens_q's length batch + 1 = " +
                                     num(a.cu_seqlens_q.shape[0]) + " (got " +
@@ -195,9 +200,13 @@ VarlenGpuCall check_varlen_args_gpu(const VarlenArgs& a) {
   require_shape(a.v, "v", {a.k.shape[0], a.k.shape[1], a.k.shape[2]}, "k's shape");
   require_shape(a.out, "out", {a.q.shape[0], a.q.shape[1], a.q.shape[2]}, "q's shape");
   if (a.lse.defined()) require_shape(a.lse, "lse", {a.q.shape[1], a.q.shape[0]}, "[heads_q, total_q]");
-  // Every dense rule over all tokens at once (dtypes, devices, strides, head dims, GQA, the
-  // window's values, sm_scale), on the GPU's terms.
-  const Problem whole = check_args(dense_call(a, 0, a.q.shape[0], 0, a.k.shape[0]), DeviceKind::cuda);
+  return check_args(dense_call(a, 0, a.q.shape[0], 0, a.k.shape[0]), kind);
+}
+
+}  // namespace
+
+VarlenGpuCall check_varlen_args_gpu(const VarlenArgs& a) {
+  const Problem whole = check_packed_call(a, DeviceKind::cuda);
 
   VarlenGpuCall c;
   c.total_q = whole.n_q;
@@ -230,29 +239,7 @@ VarlenGpuCall check_varlen_args_gpu(const VarlenArgs& a) {
 }
 
 VarlenProblem check_varlen_args(const VarlenArgs& a) {
-  validate_recipe(a.recipe);
-  if (a.recipe.inputs != Inputs::floating)
-    throw Error("recipe.inputs", "packed variable-length batches take floating inputs only "
-                                 "(prequantized INT8 scales have no packed form yet)");
-
-  // ---- presence and rank ----
-  require_rank(a.q, "q", 3, "[total_q, heads_q, head_dim]");
-  require_rank(a.k, "k", 3, "[total_k, heads_kv, head_dim]");
-  require_rank(a.v, "v", 3, "[total_k, heads_kv, head_dim]");
-  require_rank(a.out, "out", 3, "[total_q, heads_q, head_dim]");
-  if (a.lse.defined()) require_rank(a.lse, "lse", 2, "[heads_q, total_q] (f32)");
-  check_offsets_view(a.cu_seqlens_q, "cu_seqlens_q");
-  check_offsets_view(a.cu_seqlens_k, "cu_seqlens_k");
-  if (a.cu_seqlens_k.shape[0] != a.cu_seqlens_q.shape[0])
-    throw Error("cu_seqlens_k", "must have cu_seqlens_q's length batch + 1 = " +
-                                    num(a.cu_seqlens_q.shape[0]) + " (got " +
-                                    num(a.cu_seqlens_k.shape[0]) + ")");
-
-  // ---- shapes particular to packing; then every dense rule over all tokens at once ----
-  require_shape(a.v, "v", {a.k.shape[0], a.k.shape[1], a.k.shape[2]}, "k's shape");
-  require_shape(a.out, "out", {a.q.shape[0], a.q.shape[1], a.q.shape[2]}, "q's shape");
-  if (a.lse.defined()) require_shape(a.lse, "lse", {a.q.shape[1], a.q.shape[0]}, "[heads_q, total_q]");
-  const Problem whole = check_args(dense_call(a, 0, a.q.shape[0], 0, a.k.shape[0]), DeviceKind::cpu);
+  const Problem whole = check_packed_call(a, DeviceKind::cpu);
 
   // ---- offsets ----
   VarlenProblem p;
