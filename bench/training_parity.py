@@ -106,8 +106,12 @@ class Config:
 
 def attention_function(name: str) -> Callable:
     """q, k, v [B, H, N, D] -> causal attention output."""
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
     if name == "sdpa":
-        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return sdpa
     if name not in ATTENTIONS:
         raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)} (got {name!r})")
     if name.startswith("emu_"):  # a PyTorch model of the backward's dS quantization
@@ -118,9 +122,6 @@ def attention_function(name: str) -> Callable:
 
     def sage(q, k, v, recipe="sagebwd"):
         return sagekit.sageattn(q, k, v, is_causal=True, recipe=recipe)
-
-    def sdpa(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     if name == "sagebwd":  # dS per token
         return sage
