@@ -70,3 +70,37 @@ def test_sagebwd_trains_the_gpt_on_the_gpu():
     sage = result["runs"]["pretrain_sagebwd"]["train_losses"]
     assert sage[-1] < sage[0] - 0.3  # it learns (train() raises on a non-finite loss)
     assert abs(result["pretrain_gap"]) < 0.05, result["pretrain_gap"]
+
+
+def _gradients(attend, q, k, v, dout):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    attend(*leaves).backward(dout)
+    return [t.grad for t in leaves]
+
+
+def test_the_backward_emulation_brackets_sdpa_and_orders_the_granularities():
+    """bench/sagebwd_emulation.py, the model behind the per-token dS decision: with dS left
+    exact it is SDPA's backward up to Q/K's INT8 codes; per token is closer than per tile; the
+    forward is SDPA's."""
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from sagebwd_emulation import emulated_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 2, 300, 64, generator=gen, dtype=torch.float64) for _ in range(4))
+    sdpa = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True)  # noqa: E731
+    ref = _gradients(sdpa, q, k, v, dout)
+    torch.testing.assert_close(emulated_attention("block")(q, k, v), sdpa(q, k, v), rtol=0, atol=0)
+
+    def rel_l1(grads):
+        return [float((g - r).abs().sum() / r.abs().sum()) for g, r in zip(grads, ref)]
+
+    exact, token, block = (rel_l1(_gradients(emulated_attention(m), q, k, v, dout))
+                           for m in ("exact", "token", "block"))
+    for i in (0, 1):  # dq, dk
+        assert 0 < exact[i] < token[i] < block[i] < 0.2
+    assert exact[2] == token[2] == block[2] < 1e-5  # dV = P^T dO in float32, the same in every mode
+    with pytest.raises(ValueError, match="ds_mode"):
+        emulated_attention("tile")
