@@ -243,6 +243,10 @@ if has varlenbench; then
   python3 bench/bench_varlen.py --json "$OUT/h100_varlen.json" --markdown "$OUT/h100_varlen.md" 2>&1 |
     grep -vi warn | tail -20
 fi
+if has dimbench || has varlenbench; then
+  # The record of bench/results/h100_shapes.json: both grids, with kind, d_v and window.
+  python3 bench/merge_shapes.py "$OUT/h100_shapes.json" "$OUT/h100_dims.json" "$OUT/h100_varlen.json"
+fi
 if has bwdbench; then
   # Issue 33: SageBwd's gradients against float64 beside SDPA bf16, and fwd/bwd/fwd+bwd speed.
   # The GPU rows only: the simulator's (the INT8-dP ablation) are the same on any machine.
