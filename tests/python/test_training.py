@@ -54,6 +54,37 @@ def test_binding_backward_entry_points():
     assert C.gpu_supports_backward("sage2_8b") is False                # no backward at all
     assert C.gpu_supports_backward("sagebwd,dp_format=int8") is False  # simulator only
 
+@needs_numpy
+def test_binding_saved_forward_entry_points():
+    # attention_for_training (the forward that also writes L2) and the lse2 keyword of the
+    # backward's entry points: each argument named where it is wrong, in any build.
+    import numpy as np
+
+    C = sagekit._C
+    q, k, v = random_qkv((1, 4, 64, 64), (1, 2, 64, 64))
+    out, l2 = np.empty_like(q), np.empty((1, 4, 64), dtype=np.float32)
+    check_argument_error("lse2", C.attention_for_training, q, k, v, out, None)
+    check_argument_error("out", C.attention_for_training, q, k, v, None, l2)
+    check_argument_error("layout", C.attention_for_training, q, k, v, out, l2, layout="HDN")
+    check_argument_error("recipe", C.attention_for_training, q, k, v, out, l2, recipe="sage4")
+    with pytest.raises(TypeError):  # the options are keyword-only
+        C.attention_for_training(q, k, v, out, l2, None, "HND")
+    # Host arrays reach the library's checks (which want device memory), or a CPU build says
+    # it has no kernels.
+    where = "q" if sagekit.cuda_built else "device"
+    check_argument_error(where, C.attention_for_training, q, k, v, out, l2)
+    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    args = (q, k, v, q, dq, dk, dv)
+    for entry in (C.attention_backward, C.backward_workspace_bytes):
+        check_argument_error("lse2", entry, *args, out, lse2="l2")  # not an array
+        check_argument_error(where, entry, *args, out, lse2=l2)
+    # With lse2, out is read, not written: a read-only array is accepted there.
+    frozen = out.copy()
+    frozen.setflags(write=False)
+    check_argument_error(where, C.backward_workspace_bytes, *args, frozen, lse2=l2)
+    check_argument_error("out", C.backward_workspace_bytes, *args, frozen)  # written without lse2
+
+
 
 # ---- what the backward refuses, before any GPU work (torch on the CPU) ----------------------
 
