@@ -6,11 +6,15 @@ gradients' accuracy against float64 beside SDPA's in bf16.
 
 Speed: the attention op alone as training calls it, whole call including every
 quantization, bf16, d 64/128 x causal x N 1K-16K, 32 heads, 32K tokens per call; passes
-"fwd" (out = attn(q, k, v)), "bwd" (torch.autograd.grad of a kept graph: for sagekit this
-includes the forward its backward re-runs) and "fwd_bwd" (both, as a training step runs
+"fwd" (out = attn(q, k, v)), "bwd" (torch.autograd.grad of a kept graph) and "fwd_bwd" (both, as a training step runs
 them). Median of CUDA-event timings after warm-up, two input sets alternated. TOPS count
 4 N^2 d per head for fwd, 2.5x that for bwd, 3.5x for fwd_bwd (halved when causal), the
 FlashAttention convention. Records have bench_sdpa.py's keys plus "pass".
+"sagekit" is sageattn as training calls it: sagekit::attention_for_training, whose backward
+reuses the saved forward (its L2 and output) and runs only the K/V pre-pass again; "fwd" (under
+no_grad) is sagekit::attention, which writes no L2. --rerun adds "sagekit-rerun", the op
+sagekit::attention called directly, whose backward runs the whole forward again (the path
+before the saved forward was wired into Python): the A/B of the two in one run.
 
 Accuracy (--accuracy-json): N = 4096, d = 128, one batch, 2 heads, bf16 inputs from a few of
 the synthetic distributions (docs/numerics.md; drawn here with torch, not the library's
@@ -38,7 +42,7 @@ from cuda_timing import median_ms
 
 
 
-def attention_impls(causal: bool, recipe: str):
+def attention_impls(causal: bool, recipe: str, rerun: bool = False):
     import sagekit
 
     def sdpa(backend):
@@ -47,9 +51,16 @@ def attention_impls(causal: bool, recipe: str):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return run
 
-    return {"sagekit": lambda q, k, v: sagekit.sageattn(q, k, v, is_causal=causal, recipe=recipe),
-            "torch-flash": sdpa(SDPBackend.FLASH_ATTENTION),
-            "torch-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
+    def rerun_forward(q, k, v):  # sagekit::attention's backward runs the forward again
+        return torch.ops.sagekit.attention(q, k, v, "HND", causal, -1, -1, None, recipe, False,
+                                           None, None, None, None)[0]
+
+    impls = {"sagekit": lambda q, k, v: sagekit.sageattn(q, k, v, is_causal=causal, recipe=recipe)}
+    if rerun:
+        impls["sagekit-rerun"] = rerun_forward
+    impls.update({"torch-flash": sdpa(SDPBackend.FLASH_ATTENTION),
+                  "torch-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)})
+    return impls
 
 
 def speed(args):
@@ -65,7 +76,7 @@ def speed(args):
         douts = [torch.randn(batch, args.heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
         fwd_ops = 4.0 * batch * args.heads * n * n * d / (2 if causal else 1)
         row = {}
-        for name, attn in attention_impls(bool(causal), args.recipe).items():
+        for name, attn in attention_impls(bool(causal), args.recipe, args.rerun).items():
             kept = [attn(*s) for s in sets]   # graphs for the "bwd" pass
 
             def fwd(i):
@@ -87,7 +98,7 @@ def speed(args):
                     continue
                 tops = factor * fwd_ops / (ms * 1e-3) / 1e12
                 row[f"{name} {pass_name}"] = tops
-                records.append(dict(impl=name, recipe=args.recipe if name == "sagekit" else "bf16",
+                records.append(dict(impl=name, recipe=args.recipe if name.startswith("sagekit") else "bf16",
                                     d=d, causal=bool(causal), n=n, batch=batch, heads=args.heads,
                                     dtype="bfloat16", whole_call=True, ms=ms, tops=tops, device=dev,
                                     **{"pass": pass_name}))
@@ -100,7 +111,9 @@ def speed(args):
               f"cudnn {row.get('torch-cudnn fwd_bwd', float('nan')):.0f}  "
               f"vs flash {s / row.get('torch-flash fwd_bwd', float('nan')):.2f}x "
               f"vs cudnn {s / row.get('torch-cudnn fwd_bwd', float('nan')):.2f}x "
-              f"({time.time() - t0:.0f}s)", flush=True)
+              + (f"vs re-run forward {s / row.get('sagekit-rerun fwd_bwd', float('nan')):.2f}x "
+                 if args.rerun else "")
+              + f"({time.time() - t0:.0f}s)", flush=True)
     return records
 
 
@@ -213,6 +226,8 @@ def main():
     ap.add_argument("--acc-n", type=int, default=4096)
     ap.add_argument("--acc-heads", type=int, default=2)
     ap.add_argument("--recipe", default="sagebwd", help="a preset with a backward")
+    ap.add_argument("--rerun", action="store_true",
+                    help="also time sagekit-rerun (the backward that runs the forward again)")
     ap.add_argument("--accuracy-impls", default=",".join(GPU_IMPLS + tuple(SIMULATOR_OPTIONS)),
                     help="accuracy rows to compute (the GPU ones are skipped without CUDA)")
     ap.add_argument("--accuracy-merge", action="store_true",

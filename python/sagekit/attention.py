@@ -80,9 +80,10 @@ def sageattn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool 
     Prequantized inputs (recipe "int_flash"): int8 q/k/v with float32 q_scale, k_scale,
     v_scale; out_dtype picks the output dtype (default float16).
     Training: with recipe="sagebwd" the output is differentiable (loss.backward() gives q, k
-    and v their gradients through SageBwd's INT8 backward; the LSE has no gradient); with any
-    other recipe, or a sliding window, a backward pass raises an ArgumentError naming
-    `recipe` (or `window_size`). docs/python.md, "Training".
+    and v their gradients through SageBwd's INT8 backward, which reuses this call's saved
+    forward rather than running it again; the LSE has no gradient); with any other recipe,
+    or a sliding window, a backward pass raises an ArgumentError naming `recipe` (or
+    `window_size`). docs/python.md, "Training".
     """
     layout = _check_layout(layout)
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
@@ -107,9 +108,11 @@ def sageattn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool 
         raise argument_error("is_causal", f"must be a bool (got {type(is_causal).__name__})")
     left, right = checked_window(window_size, is_causal)
     scale = checked_scale(scale)
-    out, lse = ops.call_attention(q, k, v, layout, is_causal, left, right, scale,
-                                  recipe_key(recipe), return_lse, q_scale, k_scale, v_scale,
-                                  out_dtype)
+    # A call autograd will record goes through sagekit::attention_for_training, whose
+    # backward reuses the saved forward; any other is sagekit::attention.
+    out, lse = ops.call_attention_trainable(q, k, v, layout, is_causal, left, right, scale,
+                                            recipe_key(recipe), return_lse, q_scale, k_scale,
+                                            v_scale, out_dtype)
     return (out, lse) if return_lse else out
 
 

@@ -18,14 +18,30 @@ Ops:
     else an empty tensor. window_left, window_right: the sliding window (-1: unbounded).
     recipe: a preset name, a spec string or "auto".
 
+  torch.ops.sagekit.attention_for_training(q, k, v, layout, is_causal, window_left,
+                                           window_right, scale, recipe, return_lse)
+                                           -> (out, lse, l2)
+    the forward of a training step (what sageattn calls when autograd will record the
+    call): sagekit::attention's out and lse, bit for bit, and for a recipe the sm_90 backward
+    implements (saves_forward) also l2, the rows' base-2 log-sums (the C++
+    attention_for_training), float32 [B, Hq, Nq]; otherwise l2 is an empty tensor (0,).
+    Floating inputs only (no prequantized scales, out in q's dtype). Its autograd formula
+    saves (q, k, v, out, l2) and calls attention_backward with out= and lse2=, so the
+    backward does not run the forward again; lse and l2 are not differentiable.
+
   torch.ops.sagekit.attention_backward(q, k, v, dout, layout, is_causal, window_left,
-                                       window_right, scale, recipe) -> (dq, dk, dv)
-    the gradients of sagekit::attention's output (the C++ attention_backward: the recipe's
-    forward again, then its backward); dq, dk, dv: q's, k's and v's shapes, contiguous in
-    the call's layout, q's dtype. Only recipes with a backward (sagebwd, sagebwd_block) and
-    no sliding window; anything else raises sagekit.ArgumentError naming `recipe` or
-    `window_size`.
-    sagekit::attention's registered autograd formula calls it, so loss.backward() through
+                                       window_right, scale, recipe, out=None, lse2=None)
+                                       -> (dq, dk, dv)
+    the gradients of sagekit::attention's output (the C++ attention_backward); dq, dk, dv:
+    q's, k's and v's shapes, contiguous in the call's layout, q's dtype. Without out and
+    lse2 it runs the recipe's forward again, then its backward; with them (the saved
+    forward's output and l2, from attention_for_training on the same inputs and options)
+    only the K/V pre-pass and the backward, giving the same bits. Only recipes with a
+    backward (sagebwd, sagebwd_block) and no sliding window; anything else raises
+    sagekit.ArgumentError naming `recipe` or `window_size` (`out` / `lse2` for one of the
+    pair without the other).
+    The autograd formulas of sagekit::attention (the forward again) and of
+    sagekit::attention_for_training (the saved forward) call it, so loss.backward() through
     sageattn(..., recipe="sagebwd") works, in eager mode, under torch.compile and in CUDA
     graphs. The LSE output is not differentiable (see _attention_setup_context).
 
@@ -52,17 +68,19 @@ Ops:
 """
 
 import contextlib
+import functools
 import warnings
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
 from . import _C
+from ._C import ArgumentError
 from ._errors import argument_error
 from .reference import dlpack_capsule
 
-__all__ = ["attention", "attention_backward", "attention_from_quantized_kv", "attention_varlen",
-           "quantize_kv"]
+__all__ = ["attention", "attention_backward", "attention_for_training",
+           "attention_from_quantized_kv", "attention_varlen", "quantize_kv"]
 
 # Capability lookups go through the CUDA runtime; one per device and process is enough.
 _capability: Dict[int, Tuple[int, int]] = {}
@@ -299,14 +317,26 @@ def _gpu_view(t: torch.Tensor) -> torch.Tensor:
 
 def _attention_backward_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              dout: torch.Tensor, layout: str, is_causal: bool, window_left: int,
-                             window_right: int, scale: Optional[float], recipe: str
+                             window_right: int, scale: Optional[float], recipe: str,
+                             out: Optional[torch.Tensor] = None,
+                             lse2: Optional[torch.Tensor] = None
                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     causal = check_backward_options(window_left, window_right, is_causal, recipe)
+    if out is not None and lse2 is None:
+        # The library would write `out` (the forward again), an input of this op.
+        raise argument_error("lse2", "is required with out: the saved forward's output is "
+                             "read together with its L2 (attention_for_training's third "
+                             "output); pass neither to run the forward again")
+    if lse2 is not None and out is None:
+        raise argument_error("out", "is required with lse2: the saved forward's output (from "
+                             "the same attention_for_training call), read by the backward")
     _alert_not_deterministic()
     _require_cuda_build()
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
     dout = _gpu_view(dout)
+    if out is not None:
+        out = _gpu_view(out)  # attention_for_training's own out is dense: no copy
     # Contiguous in the call's layout, q's dtype (the GPU writes each gradient once, rounded to
     # the inputs' 16-bit dtype); autograd accepts any strides for an input's gradient.
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -319,8 +349,9 @@ def _attention_backward_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     with _on_device(q.device) as stream:
         _C.attention_backward(dlpack_capsule(q), dlpack_capsule(k), dlpack_capsule(v),
                               dlpack_capsule(dout), dlpack_capsule(dq), dlpack_capsule(dk),
-                              dlpack_capsule(dv), layout=layout, causal=causal, sm_scale=scale,
-                              recipe=recipe, workspace=_allocate(q.device), stream=stream)
+                              dlpack_capsule(dv), out=_capsule(out), layout=layout,
+                              causal=causal, sm_scale=scale, recipe=recipe,
+                              workspace=_allocate(q.device), stream=stream, lse2=_capsule(lse2))
     return dq, dk, dv
 
 
@@ -330,7 +361,7 @@ attention_backward = torch.library.custom_op("sagekit::attention_backward", muta
 
 @attention_backward.register_fake
 def _attention_backward_fake(q, k, v, dout, layout, is_causal, window_left, window_right, scale,
-                             recipe):
+                             recipe, out=None, lse2=None):
     return (q.new_empty(q.shape), k.new_empty(k.shape, dtype=q.dtype),
             v.new_empty(v.shape, dtype=q.dtype))
 
@@ -365,6 +396,113 @@ def _attention_backward_formula(ctx, grad_out, _grad_lse):
 
 
 attention.register_autograd(_attention_backward_formula, setup_context=_attention_setup_context)
+
+
+# ---- the saved forward (training without running the forward twice) ------------------------
+# sagekit::attention's formula above runs the recipe's forward again inside the backward
+# (15-19% of a forward + backward in the H100 records, docs/performance.md): the backward
+# needs the rows' base-2 log-sums L2 and the public forward does not write them. A training
+# call therefore goes through sagekit::attention_for_training, which writes L2 as a third,
+# non-differentiable output; its formula saves (q, k, v, out, l2) and the backward runs only
+# the K/V pre-pass and the backward kernel. Which op runs is decided before the op, by
+# call_attention_trainable, from what autograd itself uses: grad mode and the inputs'
+# requires_grad (torch.compile traces both as constants and guards on them, so the decision
+# is part of the traced program; an inference call, under no_grad or on inputs that need no
+# grad, is sagekit::attention as before and writes no L2). Whether L2 is written is then a
+# pure function of the op's arguments (saves_forward), which the fake reads as the body does,
+# so its output's shape is known at trace time.
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_backward(recipe: str) -> bool:
+    """Whether the sm_90 backward implements `recipe` (cached: a recipe string is parsed once).
+    An invalid recipe is False here; the forward then raises its own error naming it."""
+    if recipe == "auto":  # sage2_8b_balanced on compute capability 9.0: no backward
+        return False
+    try:
+        return bool(_C.gpu_supports_backward(recipe))
+    except ArgumentError:
+        return False
+
+
+def saves_forward(dtype: torch.dtype, recipe: str, window_left: int, window_right: int) -> bool:
+    """Whether sagekit::attention_for_training writes L2 for a call (its third output's shape
+    depends on it): a 16-bit floating input, a recipe the sm_90 backward implements and no
+    sliding window ((-1, 0) is the causal mask). Anything else gets an empty l2 and its
+    backward runs the forward again, or raises by name what it cannot differentiate."""
+    return (dtype in (torch.float16, torch.bfloat16) and window_left == -1
+            and window_right in (-1, 0) and _gpu_backward(recipe))
+
+
+def _attention_for_training_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
+                                 is_causal: bool, window_left: int, window_right: int,
+                                 scale: Optional[float], recipe: str, return_lse: bool
+                                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not saves_forward(q.dtype, recipe, window_left, window_right):
+        out, lse = _attention_body(q, k, v, layout, is_causal, window_left, window_right, scale,
+                                   recipe, return_lse, None, None, None, None)
+        return out, lse, torch.empty((0,), dtype=torch.float32, device=q.device)
+    _require_cuda_build()
+    l2 = torch.empty(_lse_shape(q, layout, True), dtype=torch.float32, device=q.device)
+    if q.numel() == 0 or k.numel() == 0:
+        # Nothing attends: the backward gives zeros without reading l2 (nor calling the
+        # library); the rows that see no key have LSE -inf, and so L2.
+        out, lse = _attention_body(q, k, v, layout, is_causal, window_left, window_right, scale,
+                                   recipe, return_lse, None, None, None, None)
+        return out, lse, l2.fill_(float("-inf"))
+    out, lse = _outputs(q, layout, return_lse, None)
+    with _on_device(q.device) as stream:
+        # The backward's own options (check_backward_options): the window (-1, 0) is the causal
+        # mask, the same bits, so the saved L2 and out are exactly what the backward would
+        # compute if it ran the forward again.
+        _C.attention_for_training(dlpack_capsule(q), dlpack_capsule(k), dlpack_capsule(v),
+                                  dlpack_capsule(out), dlpack_capsule(l2),
+                                  dlpack_capsule(lse) if return_lse else None, layout=layout,
+                                  causal=is_causal or window_right == 0, sm_scale=scale,
+                                  recipe=recipe, workspace=_allocate(q.device), stream=stream)
+    return out, lse, l2
+
+
+attention_for_training = torch.library.custom_op(
+    "sagekit::attention_for_training", mutates_args=(),
+    device_types="cuda")(_attention_for_training_body)
+
+
+@attention_for_training.register_fake
+def _attention_for_training_fake(q, k, v, layout, is_causal, window_left, window_right, scale,
+                                 recipe, return_lse):
+    out, lse = _attention_fake(q, k, v, layout, is_causal, window_left, window_right, scale,
+                               recipe, return_lse, None, None, None, None)
+    saved = saves_forward(q.dtype, recipe, window_left, window_right)
+    return out, lse, q.new_empty(_lse_shape(q, layout, saved), dtype=torch.float32)
+
+
+def _training_setup_context(ctx, inputs, output):
+    q, k, v, layout, is_causal, window_left, window_right, scale, recipe, _return_lse = inputs
+    out, lse, l2 = output
+    # An l2 of rank 3 is the saved forward's (saves_forward); the empty one (0,) means the
+    # backward runs the forward again, as sagekit::attention's formula does. out is saved as
+    # it is returned: modifying it in place before the backward is an error from autograd
+    # (as for torch's own flash SDPA, which saves its output too).
+    if l2.dim() == 3:
+        ctx.save_for_backward(q, k, v, out, l2)
+    else:
+        ctx.save_for_backward(q, k, v)
+    ctx.options = (layout, is_causal, window_left, window_right, scale, recipe)
+    ctx.mark_non_differentiable(lse, l2)
+
+
+def _training_backward_formula(ctx, grad_out, _grad_lse, _grad_l2):
+    needs = ctx.needs_input_grad
+    grads = (None, None, None)
+    if any(needs[:3]):
+        saved = ctx.saved_tensors
+        grads = attention_backward(*saved[:3], grad_out, *ctx.options, *saved[3:])
+    return (*(g if need else None for g, need in zip(grads, needs[:3])),) + (None,) * 7
+
+
+attention_for_training.register_autograd(_training_backward_formula,
+                                         setup_context=_training_setup_context)
 
 
 def _quantize_kv_body(k: torch.Tensor, v: torch.Tensor, layout: str, recipe: str,
@@ -480,3 +618,20 @@ call_attention_varlen = _fast_eager(attention_varlen, _attention_varlen_body, "a
 call_quantize_kv = _fast_eager(quantize_kv, _quantize_kv_body, "quantize_kv")
 call_attention_from_quantized_kv = _fast_eager(
     attention_from_quantized_kv, _attention_from_quantized_kv_body, "attention_from_quantized_kv")
+
+
+def call_attention_trainable(q, k, v, layout, is_causal, window_left, window_right, scale, recipe,
+                             return_lse, q_scale, k_scale, v_scale, out_dtype
+                             ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """sageattn's call, sagekit::attention's arguments: sagekit::attention_for_training where
+    autograd will record it (grad mode on and q, k or v requiring grad; floating inputs with
+    out in q's dtype), so that its backward reuses the saved forward; call_attention (the
+    op, or its body in plain eager mode) otherwise, which writes no L2."""
+    if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            and q_scale is None and k_scale is None and v_scale is None
+            and (out_dtype is None or out_dtype == q.dtype)):
+        out, lse, _ = attention_for_training(q, k, v, layout, is_causal, window_left,
+                                             window_right, scale, recipe, return_lse)
+        return out, lse
+    return call_attention(q, k, v, layout, is_causal, window_left, window_right, scale, recipe,
+                          return_lse, q_scale, k_scale, v_scale, out_dtype)

@@ -102,17 +102,20 @@ struct BackwardCall {
   sage::BackwardArgs args;
 };
 
+// lse2 (GPU only): the saved forward's L2 (attention_for_training's); with it, `out` is that
+// forward's output, which the backward reads instead of writing (so it may be read-only).
 void fill_backward(BackwardCall& c, nb::handle q, nb::handle k, nb::handle v, nb::handle dout,
                    nb::handle dq, nb::handle dk, nb::handle dv, nb::handle out, nb::handle lse,
                    const std::string& layout, bool causal, std::optional<double> sm_scale,
-                   nb::handle recipe, bool host = true) {
+                   nb::handle recipe, bool host = true, nb::handle lse2 = nb::none()) {
   sage::BackwardArgs& a = c.args;
   fill_shared(a, c.arrays, q, k, v, layout, causal, sm_scale, recipe);
   a.dout = c.arrays.input(dout, "dout");
   a.dq = c.arrays.output(dq, "dq");
   a.dk = c.arrays.output(dk, "dk");
   a.dv = c.arrays.output(dv, "dv");
-  a.out = c.arrays.output(out, "out");
+  a.lse2 = c.arrays.input(lse2, "lse2");
+  a.out = a.lse2.defined() ? c.arrays.input(out, "out") : c.arrays.output(out, "out");
   a.lse = c.arrays.output(lse, "lse");
   if (!host) return;
   require_host({{&a.q, "q"}, {&a.k, "k"}, {&a.v, "v"}, {&a.dout, "dout"}, {&a.dq, "dq"},
@@ -455,16 +458,17 @@ NB_MODULE(_C, m) {
       "what is missing.");
 
   // The backward (training) on the GPU: attention()'s conventions, with dout in and dq, dk,
-  // dv (and optionally the forward's out and lse) written.
+  // dv (and optionally the forward's out and lse) written; or, given the saved forward's L2
+  // (attention_for_training, below) and out, read, without running the forward again.
   m.def(
       "attention_backward",
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle dout, nb::handle dq, nb::handle dk,
          nb::handle dv, nb::handle out, nb::handle lse, const std::string& layout, bool causal,
          std::optional<double> sm_scale, nb::handle recipe, nb::handle workspace,
-         uintptr_t stream) {
+         uintptr_t stream, nb::handle lse2) {
         BackwardCall c;
         fill_backward(c, q, k, v, dout, dq, dk, dv, out, lse, layout, causal, sm_scale, recipe,
-                      /*host=*/false);
+                      /*host=*/false, lse2);
         const size_t need = sage::backward_workspace_bytes(c.args);
         size_t ws_size = 0;
         nb::object allocated;  // keeps an allocator's buffer alive until the launch is queued
@@ -476,31 +480,69 @@ NB_MODULE(_C, m) {
       "dv"_a.none(), "out"_a.none() = nb::none(), "lse"_a.none() = nb::none(), nb::kw_only(),
       "layout"_a = "HND", "causal"_a = false, "sm_scale"_a = nb::none(),
       "recipe"_a.none() = "sagebwd", "workspace"_a.none() = nb::none(), "stream"_a = 0,
+      "lse2"_a.none() = nb::none(),
       "The gradients of attention on the GPU (sm_90a), enqueued on `stream` (a cudaStream_t as "
-      "an int). Runs the recipe's forward again (writing out and lse where given), then its "
-      "backward: dq, dk, dv in q's dtype (dk, dv summed over the query heads of a GQA group), "
-      "with fp32 atomics (not bit-deterministic run to run). q, k, v: as for attention(); "
-      "dout: q's shape and dtype; dq, dk, dv: q's, k's and v's shapes, written; out: q's "
-      "shape, lse: [batch, heads_q, n_q] float32, optional, written. recipe: one the sm_90 "
+      "an int). Without lse2 it runs the recipe's forward again (writing out and lse where "
+      "given), then its backward; with lse2, the rows' base-2 log-sums that "
+      "attention_for_training() wrote, and out, that same call's output (read, not written; "
+      "lse must then be None), only the K/V pre-pass runs again before the backward. "
+      "The gradients are the same bits either way: dq, dk, dv in q's dtype (dk, dv summed "
+      "over the query heads of a GQA group), with fp32 atomics (not bit-deterministic run to "
+      "run). q, k, v: as for attention(); dout: q's shape and dtype; dq, dk, dv: q's, k's and "
+      "v's shapes, written; out: q's shape, lse: [batch, heads_q, n_q] float32, optional; "
+      "lse2: [batch, heads_q, n_q] float32, contiguous, optional. recipe: one the sm_90 "
       "backward implements (gpu_supports_backward: sagebwd, sagebwd_block). workspace: a contiguous device "
-      "buffer of at least backward_workspace_bytes(...) bytes aligned to 256, or a "
-      "callable(nbytes) returning one.");
+      "buffer of at least backward_workspace_bytes(...) bytes (with the same lse2) aligned to "
+      "256, or a callable(nbytes) returning one.");
   m.def(
       "backward_workspace_bytes",
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle dout, nb::handle dq, nb::handle dk,
          nb::handle dv, nb::handle out, nb::handle lse, const std::string& layout, bool causal,
-         std::optional<double> sm_scale, nb::handle recipe) {
+         std::optional<double> sm_scale, nb::handle recipe, nb::handle lse2) {
         BackwardCall c;
         fill_backward(c, q, k, v, dout, dq, dk, dv, out, lse, layout, causal, sm_scale, recipe,
-                      /*host=*/false);
+                      /*host=*/false, lse2);
         return sage::backward_workspace_bytes(c.args);
       },
       "q"_a.none(), "k"_a.none(), "v"_a.none(), "dout"_a.none(), "dq"_a.none(), "dk"_a.none(),
       "dv"_a.none(), "out"_a.none() = nb::none(), "lse"_a.none() = nb::none(), nb::kw_only(),
       "layout"_a = "HND", "causal"_a = false, "sm_scale"_a = nb::none(),
-      "recipe"_a.none() = "sagebwd",
-      "Bytes of device workspace attention_backward() needs for these arguments (raises in a "
-      "build without CUDA, like every GPU entry point there).");
+      "recipe"_a.none() = "sagebwd", "lse2"_a.none() = nb::none(),
+      "Bytes of device workspace attention_backward() needs for these arguments, lse2 (the "
+      "saved forward's L2) included, since the size may depend on it (raises in a build "
+      "without CUDA, like every GPU entry point there).");
+  m.def(
+      "attention_for_training",
+      [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse2,
+         nb::handle lse, const std::string& layout, bool causal, int64_t window_left,
+         int64_t window_right, std::optional<double> sm_scale, nb::handle recipe,
+         nb::handle workspace, uintptr_t stream) {
+        Call c;
+        fill(c, q, k, v, out, lse, layout, causal, {window_left, window_right}, sm_scale, recipe,
+             nb::none(), nb::none(), nb::none());
+        if (lse2.is_none())
+          throw sage::Error("lse2", "is required (a float32 [batch, heads_q, n_q] contiguous "
+                                    "array to write the rows' base-2 log-sums into)");
+        const sage::TensorView l2 = c.arrays.output(lse2, "lse2");
+        const size_t need = sage::workspace_bytes(c.args);
+        size_t ws_size = 0;
+        nb::object allocated;  // keeps an allocator's buffer alive until the launch is queued
+        void* ws = call_workspace(c.arrays, workspace, need, c.args.q.device, allocated, &ws_size);
+        nb::gil_scoped_release unlocked;
+        sage::attention_for_training(c.args, l2, ws, ws_size, reinterpret_cast<void*>(stream));
+      },
+      "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse2"_a.none(),
+      "lse"_a.none() = nb::none(), nb::kw_only(), "layout"_a = "HND", "causal"_a = false,
+      "window_left"_a = -1, "window_right"_a = -1, "sm_scale"_a = nb::none(),
+      "recipe"_a.none() = "sagebwd", "workspace"_a.none() = nb::none(), "stream"_a = 0,
+      "The forward of a training step on the GPU (sm_90a): attention() (the same out and lse, "
+      "bit for bit) that also writes the rows' base-2 log-sums L2 into lse2 (float32 "
+      "[batch, heads_q, n_q], contiguous, on q's device), which attention_backward(..., "
+      "out=out, lse2=lse2) then uses instead of running the forward again. Recipes the sm_90 "
+      "backward implements only (gpu_supports_backward). Enqueued on `stream`; workspace: as "
+      "attention()'s (workspace_bytes(...) bytes, or a callable(nbytes) returning them). q, k, "
+      "v, out, lse, layout, causal, window_left/window_right, sm_scale, recipe: as for "
+      "attention().");
   m.def(
       "gpu_supports_backward",
       [](nb::handle recipe) { return sage::gpu_supports_backward(recipe_from(recipe)); },

@@ -1,5 +1,7 @@
-"""Training through sagekit: loss.backward() with recipe="sagebwd" (torch.ops.sagekit.attention's
-registered autograd formula, which calls torch.ops.sagekit.attention_backward, the C++
+"""Training through sagekit: loss.backward() with recipe="sagebwd" (the registered autograd
+formulas of torch.ops.sagekit.attention_for_training, the forward sageattn calls where autograd
+records it, which saves out and the rows' base-2 log-sums L2, and of torch.ops.sagekit.attention,
+which runs the forward again; both call torch.ops.sagekit.attention_backward, the C++
 attention_backward).
 
 The binding and argument tests run anywhere (NumPy, or torch on the CPU); the autograd
@@ -10,6 +12,8 @@ CPU kernels (a scoped registration), the formula runs on real values, eager and 
 gives simulate_backward's gradients bit for bit. Everything on the GPU kernels needs a GPU of
 compute capability 9.0 and skips visibly elsewhere (needs_gpu).
 """
+
+import math
 
 import pytest
 
@@ -55,6 +59,37 @@ def test_binding_backward_entry_points():
     assert C.gpu_supports_backward("sagebwd,dp_format=int8") is False  # simulator only
 
 
+@needs_numpy
+def test_binding_saved_forward_entry_points():
+    # attention_for_training (the forward that also writes L2) and the lse2 keyword of the
+    # backward's entry points: each argument named where it is wrong, in any build.
+    import numpy as np
+
+    C = sagekit._C
+    q, k, v = random_qkv((1, 4, 64, 64), (1, 2, 64, 64))
+    out, l2 = np.empty_like(q), np.empty((1, 4, 64), dtype=np.float32)
+    check_argument_error("lse2", C.attention_for_training, q, k, v, out, None)
+    check_argument_error("out", C.attention_for_training, q, k, v, None, l2)
+    check_argument_error("layout", C.attention_for_training, q, k, v, out, l2, layout="HDN")
+    check_argument_error("recipe", C.attention_for_training, q, k, v, out, l2, recipe="sage4")
+    with pytest.raises(TypeError):  # the options are keyword-only
+        C.attention_for_training(q, k, v, out, l2, None, "HND")
+    # Host arrays reach the library's checks (which want device memory), or a CPU build says
+    # it has no kernels.
+    where = "q" if sagekit.cuda_built else "device"
+    check_argument_error(where, C.attention_for_training, q, k, v, out, l2)
+    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    args = (q, k, v, q, dq, dk, dv)
+    for entry in (C.attention_backward, C.backward_workspace_bytes):
+        check_argument_error("lse2", entry, *args, out, lse2="l2")  # not an array
+        check_argument_error(where, entry, *args, out, lse2=l2)
+    # With lse2, out is read, not written: a read-only array is accepted there.
+    frozen = out.copy()
+    frozen.setflags(write=False)
+    check_argument_error(where, C.backward_workspace_bytes, *args, frozen, lse2=l2)
+    check_argument_error("out", C.backward_workspace_bytes, *args, frozen)  # written without lse2
+
+
 # ---- what the backward refuses, before any GPU work (torch on the CPU) ----------------------
 
 @needs_torch
@@ -86,6 +121,65 @@ def test_backward_refuses_a_sliding_window_by_name():
 
 
 @needs_torch
+def test_backward_takes_the_saved_forward_as_a_pair():
+    # out and lse2 come together: out alone would be written (the forward again), an input of
+    # an op that mutates nothing; lse2 alone has no output to read.
+    from sagekit import ops
+
+    q = torch.randn(1, 2, 64, 64, dtype=torch.float16)
+    l2 = torch.zeros(1, 2, 64)
+    args = (q, q, q, q, "HND", False, -1, -1, None, "sagebwd")
+    check_argument_error("lse2", ops._attention_backward_body, *args, q, None)
+    check_argument_error("out", ops._attention_backward_body, *args, None, l2)
+
+
+@needs_torch
+def test_saves_forward_only_where_the_gpu_backward_runs_the_call():
+    from sagekit import ops
+
+    bf16, f16 = torch.bfloat16, torch.float16
+    built = sagekit.cuda_built  # a CPU build has no sm_90 backward
+    assert ops.saves_forward(bf16, "sagebwd", -1, -1) is built
+    assert ops.saves_forward(f16, "sagebwd_block", -1, 0) is built  # (-1, 0): the causal mask
+    for dtype, recipe, window in ((f16, "sagebwd", (16, 0)), (f16, "sagebwd", (-1, 8)),
+                                  (torch.float32, "sagebwd", (-1, -1)), (f16, "auto", (-1, -1)),
+                                  (f16, "sage2_8b", (-1, -1)), (f16, "sagebwd,dp_format=int8", (-1, -1)),
+                                  (f16, "sage4", (-1, -1))):  # invalid: the forward names it
+        assert ops.saves_forward(dtype, recipe, *window) is False, (dtype, recipe, window)
+
+
+@needs_torch
+@pytest.mark.parametrize("grad,requires,scaled,expected", [
+    (True, True, False, True), (False, True, False, False), (True, False, False, False),
+    (True, True, True, False)])
+def test_only_a_call_autograd_records_takes_the_training_op(monkeypatch, grad, requires, scaled,
+                                                            expected):
+    # sageattn's call (ops.call_attention_trainable): the training op where autograd records the
+    # call, so inference (no_grad, or inputs that need no grad) writes no L2; prequantized
+    # inputs (scales) never train.
+    from sagekit import ops
+
+    seen = []
+
+    def training(*args):
+        seen.append("training")
+        return args[0].new_empty(args[0].shape), args[0].new_empty((0,)), args[0].new_empty((0,))
+
+    def plain(*args):
+        seen.append("plain")
+        return args[0].new_empty(args[0].shape), args[0].new_empty((0,))
+
+    monkeypatch.setattr(ops, "attention_for_training", training)
+    monkeypatch.setattr(ops, "call_attention", plain)
+    q = _meta((1, 2, 64, 64), requires_grad=requires)
+    scale = _meta((1, 2, 1), dtype=torch.float32, requires_grad=False) if scaled else None
+    with torch.set_grad_enabled(grad):
+        ops.call_attention_trainable(q, q, q, "HND", False, -1, -1, None, "sagebwd", False,
+                                     scale, scale, scale, None)
+    assert seen == ["training" if expected else "plain"]
+
+
+@needs_torch
 def test_backward_body_reaches_the_binding_with_its_keywords(monkeypatch):
     # The op's body up to the library on CPU tensors (the CUDA-only steps stubbed): the binding
     # takes every keyword the body passes (a wrong one would be a TypeError here) and its own
@@ -105,11 +199,36 @@ def test_backward_body_reaches_the_binding_with_its_keywords(monkeypatch):
     assert ops._gpu_view(q.transpose(1, 2)).data_ptr() == q.data_ptr()  # read in place
     check_argument_error("q" if sagekit.cuda_built else "device", ops._attention_backward_body,
                          q, k, k, dout, "HND", True, -1, -1, 0.125, "sagebwd")
+    # The saved forward's out and L2 reach it too (its lse2 keyword).
+    check_argument_error("q" if sagekit.cuda_built else "device", ops._attention_backward_body,
+                         q, k, k, dout, "HND", True, -1, -1, 0.125, "sagebwd", q,
+                         torch.zeros(1, 4, 64))
     # No keys: the output is 0 whatever q is, so are the gradients (the library is not called).
     empty = k[:, :, :0]
     dq, dk, dv = ops._attention_backward_body(q, empty, empty, dout, "HND", False, -1, -1, None,
                                               "sagebwd")
     assert dq.shape == q.shape and not dq.any() and dk.shape == empty.shape
+
+
+@needs_torch
+@pytest.mark.parametrize("saved", [False, True])
+def test_training_forward_body_reaches_the_binding_with_its_keywords(monkeypatch, saved):
+    # The training op's body on CPU tensors (CUDA-only steps stubbed): with L2 saved it calls
+    # attention_for_training, otherwise attention; either binding takes every keyword.
+    import contextlib
+
+    from sagekit import ops
+
+    monkeypatch.setattr(ops, "_require_cuda_build", lambda: None)
+    monkeypatch.setattr(ops, "_on_device", lambda device: contextlib.nullcontext(0))
+    monkeypatch.setattr(ops, "resolve_auto", lambda recipe, device, two_step=False: recipe)
+    monkeypatch.setattr(ops, "_gpu_backward", lambda recipe: saved)
+    q = torch.randn(1, 4, 64, 64, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
+    for window in ((-1, -1), (-1, 0)):
+        check_argument_error("q" if sagekit.cuda_built else "device",
+                             ops._attention_for_training_body, q, k, k, "HND", False, *window,
+                             0.125, "sagebwd", True)
 
 
 @needs_torch
@@ -165,6 +284,50 @@ def test_autograd_records_the_backward_with_the_inputs_shapes(layout):
         assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
 
 
+@pytest.fixture(params=[False, True], ids=["rerun", "saved"])
+def saved(request, monkeypatch):
+    """Whether sagekit::attention_for_training saves the forward (its L2) for sagebwd: True as
+    on a CUDA build, False as a CPU build answers (ops._gpu_backward stubbed for the test)."""
+    from sagekit import ops
+
+    def gpu_backward(recipe):  # sagebwd's configuration, as the sm_90 backward's
+        return request.param and recipe in ("sagebwd", "sagebwd_block")
+
+    monkeypatch.setattr(ops, "_gpu_backward", gpu_backward)
+    return request.param
+
+
+def _training_op(q, k, v, layout="HND", causal=True, recipe="sagebwd", return_lse=False,
+                 window=(-1, -1)):
+    return torch.ops.sagekit.attention_for_training(q, k, v, layout, causal, *window, None,
+                                                    recipe, return_lse)
+
+
+@needs_torch
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_training_op_saves_out_and_l2_for_its_backward(saved, layout):
+    b, hq, hkv, nq, nkv, d = 2, 8, 2, 100, 300, 64
+
+    def shape(h, n):
+        return (b, h, n, d) if layout == "HND" else (b, n, h, d)
+
+    q, k, v = _meta(shape(hq, nq)), _meta(shape(hkv, nkv)), _meta(shape(hkv, nkv))
+    out, lse, l2 = _training_op(q, k, v, layout=layout, return_lse=True)
+    assert out.requires_grad and not lse.requires_grad and not l2.requires_grad
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (b, hq, nq)
+    assert l2.dtype == torch.float32 and l2.shape == ((b, hq, nq) if saved else (0,))
+    kept = out.grad_fn.saved_tensors
+    assert len(kept) == (5 if saved else 3)  # q, k, v (, out, l2)
+    if saved:
+        assert kept[3].shape == out.shape and kept[4].shape == l2.shape
+    (out.float() * 2).sum().backward()
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and t.grad.dtype == t.dtype
+    # What saves_forward refuses (a window, a recipe without an sm_90 backward) has no L2.
+    for recipe, window in (("sagebwd", (16, 0)), ("sage2_8b", (-1, -1))):
+        assert _training_op(q, k, v, layout=layout, recipe=recipe, window=window)[2].shape == (0,)
+
+
 @needs_torch
 def test_autograd_gives_gradients_only_where_asked_and_through_views():
     # q, k, v as views of one fused projection (a strided, non-contiguous layout): the
@@ -191,10 +354,13 @@ def test_prequantized_scales_are_not_differentiable():
 
 
 @needs_torch
-def test_training_step_traces_as_one_graph_each_way():
+@pytest.mark.parametrize("entry", ["call_attention", "call_attention_trainable"])
+def test_training_step_traces_as_one_graph_each_way(saved, entry):
     # torch.compile(fullgraph=True) through the front end's op call: AOTAutograd traces the
-    # registered formula, so the forward graph has sagekit.attention and the backward graph
-    # sagekit.attention_backward, and no break.
+    # registered formula, so the forward graph has the forward op (sageattn's call,
+    # call_attention_trainable: sagekit.attention_for_training) and the backward graph
+    # sagekit.attention_backward, given the saved out and L2 where the forward saved them,
+    # and no break.
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -211,8 +377,8 @@ def test_training_step_traces_as_one_graph_each_way():
         return compiler
 
     def step(q, k, v, w):
-        y, _ = ops.call_attention(q, k, v, "NHD", True, -1, -1, None, "sagebwd", False, None,
-                                  None, None, None)
+        y, _ = getattr(ops, entry)(q, k, v, "NHD", True, -1, -1, None, "sagebwd", False, None,
+                                   None, None, None)
         return (y.float() * w).sum()
 
     q, k, v = _meta((1, 128, 4, 64)), _meta((1, 128, 2, 64)), _meta((1, 128, 2, 64))
@@ -226,8 +392,14 @@ def test_training_step_traces_as_one_graph_each_way():
         return [str(n.target).removesuffix(".default") for n in graphs[name].graph.nodes
                 if n.op == "call_function"]
 
-    assert targets("forward").count("sagekit.attention") == 1, targets("forward")
+    trainable = entry == "call_attention_trainable"
+    forward_op = "sagekit.attention_for_training" if trainable else "sagekit.attention"
+    assert targets("forward").count(forward_op) == 1, targets("forward")
     assert targets("backward").count("sagekit.attention_backward") == 1, targets("backward")
+    (node,) = [n for n in graphs["backward"].graph.nodes
+               if str(n.target) == "sagekit.attention_backward.default"]
+    given = [a for a in node.args[10:] + tuple(node.kwargs.values()) if a is not None]
+    assert len(given) == (2 if trainable and saved else 0), node.format_node()  # out, lse2
     torch._dynamo.reset()
 
 
@@ -235,33 +407,57 @@ def test_training_step_traces_as_one_graph_each_way():
 
 @pytest.fixture
 def simulator_kernels():
-    """CPU kernels for both ops, from the simulator, for the duration of one test (a scoped
-    library registration, removed afterwards): the registered autograd formula then runs on
-    real values anywhere, and its gradients must be simulate_backward's exactly."""
+    """CPU kernels for the three ops, from the simulator, for the duration of one test (a
+    scoped library registration, removed afterwards): the registered autograd formulas then
+    run on real values anywhere, and their gradients must be simulate_backward's exactly.
+    The training forward's L2 is a stand-in (the natural-log LSE in base 2: only the GPU
+    kernel computes the real one, and the simulator's backward does not read it); the
+    backward checks that it receives exactly the saved out and L2, and records each call's
+    path in the yielded list ("saved" or "rerun")."""
+    from sagekit import ops
 
-    def forward(q, k, v, layout, is_causal, wl, wr, scale, recipe, return_lse, qs, ks, vs, od):
+    paths = []
+
+    def simulated(q, k, v, layout, is_causal, wl, wr, scale, recipe):
         out, lse = sagekit.simulate(q, k, v, recipe=recipe, is_causal=is_causal, scale=scale,
                                     layout=layout, return_lse=True, window_size=(wl, wr))
-        return out.to(q.dtype), lse if return_lse else lse.new_empty((0,))
+        return out.to(q.dtype), lse
 
-    def backward(q, k, v, dout, layout, is_causal, wl, wr, scale, recipe):
-        from sagekit import ops
+    def forward(q, k, v, layout, is_causal, wl, wr, scale, recipe, return_lse, qs, ks, vs, od):
+        out, lse = simulated(q, k, v, layout, is_causal, wl, wr, scale, recipe)
+        return out, lse if return_lse else lse.new_empty((0,))
 
+    def training_forward(q, k, v, layout, is_causal, wl, wr, scale, recipe, return_lse):
+        out, lse = simulated(q, k, v, layout, is_causal, wl, wr, scale, recipe)
+        saved = ops.saves_forward(q.dtype, recipe, wl, wr)
+        l2 = lse * math.log2(math.e) if saved else lse.new_empty((0,))
+        return out, lse if return_lse else lse.new_empty((0,)), l2
+
+    def backward(q, k, v, dout, layout, is_causal, wl, wr, scale, recipe, out=None, lse2=None):
         causal = ops.check_backward_options(wl, wr, is_causal, recipe)
+        if lse2 is not None:
+            # The saved forward's, untouched: the forward's output and L2 of these inputs.
+            want, lse = simulated(q, k, v, layout, causal, -1, -1, scale, recipe)
+            torch.testing.assert_close(out, want, atol=0, rtol=0)
+            torch.testing.assert_close(lse2, lse * math.log2(math.e), atol=0, rtol=0)
+        paths.append("rerun" if lse2 is None else "saved")
         grads = sagekit.simulate_backward(q, k, v, dout.contiguous(), recipe=recipe,
                                           is_causal=causal, scale=scale, layout=layout)
         return tuple(g.to(q.dtype) for g in grads)
 
     with torch.library._scoped_library("sagekit", "IMPL") as lib:
         lib.impl("attention", forward, "CPU")
+        lib.impl("attention_for_training", training_forward, "CPU")
         lib.impl("attention_backward", backward, "CPU")
-        yield
+        yield paths
 
 
 @needs_torch
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_autograd_formula_gives_the_simulators_gradients(simulator_kernels, layout, compiled):
+@pytest.mark.parametrize("entry", ["call_attention", "call_attention_trainable"])
+def test_autograd_formula_gives_the_simulators_gradients(simulator_kernels, saved, layout,
+                                                         compiled, entry):
     from sagekit import ops
 
     torch._dynamo.reset()
@@ -275,12 +471,15 @@ def test_autograd_formula_gives_the_simulators_gradients(simulator_kernels, layo
     do = torch.randn(q.shape, generator=g).to(torch.bfloat16)
 
     def f(q, k, v):
-        return ops.call_attention(q, k, v, layout, True, -1, -1, 0.2, "sagebwd", True, None,
-                                  None, None, None)
+        return getattr(ops, entry)(q, k, v, layout, True, -1, -1, 0.2, "sagebwd", True, None,
+                                   None, None, None)
 
     out, lse = (torch.compile(f, backend="aot_eager", fullgraph=True) if compiled else f)(q, k, v)
     assert not lse.requires_grad
     out.backward(do)
+    # sageattn's call (call_attention_trainable) saves the forward where the GPU backward runs
+    # the recipe; the plain op always runs the forward again.
+    assert simulator_kernels == ["saved" if saved and entry != "call_attention" else "rerun"]
     want = sagekit.simulate_backward(*(t.detach() for t in (q, k, v, do)), is_causal=True,
                                      scale=0.2, layout=layout)
     for t, w in zip((q, k, v), want):
@@ -290,14 +489,18 @@ def test_autograd_formula_gives_the_simulators_gradients(simulator_kernels, layo
 
 
 @needs_torch
-def test_autograd_formula_refuses_by_name_on_cpu_values(simulator_kernels):
+def test_autograd_formula_refuses_by_name_on_cpu_values(simulator_kernels, saved):
     q = torch.randn(1, 2, 64, 64, dtype=torch.float16, requires_grad=True)
     for recipe in ("sage2_8b", "auto"):
-        out, _ = _op(q, q, q, recipe=recipe)  # the forward runs ("auto": simulate's reading)
-        check_argument_error("recipe", out.float().sum().backward)  # the backward names it
+        for op in (_op, _training_op):
+            out = op(q, q, q, recipe=recipe)[0]  # the forward runs ("auto": simulate's reading)
+            check_argument_error("recipe", out.float().sum().backward)  # the backward names it
     out, _ = torch.ops.sagekit.attention(q, q, q, "HND", True, 16, 0, None, "sagebwd", False,
                                          None, None, None, None)
     check_argument_error("window_size", out.float().sum().backward)
+    out = _training_op(q, q, q, window=(16, 0))[0]
+    check_argument_error("window_size", out.float().sum().backward)
+    assert simulator_kernels == []  # every refusal came before the backward's work
 
 
 # ---- on the GPU ----------------------------------------------------------------------------
@@ -560,5 +763,104 @@ def test_backward_fake_matches_the_real_op():
     q, k, v = _qkv(hq=8, hkv=2, nq=200, nkv=300, seed=12, layout="NHD")
     args = (q.detach(), k.detach(), v.detach(), torch.randn_like(q), "NHD", True, -1, -1, None,
             "sagebwd")
+    torch.library.opcheck(torch.ops.sagekit.attention_backward.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+# ---- the saved forward on the GPU: the same bits as running the forward again ---------------
+
+def _bits(t):
+    """t's bit patterns (an integer view), so that equality is of every bit (-0 != +0)."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_saved_forward_gives_the_rerun_paths_bits(dtype, causal, layout):
+    # attention_for_training's out and lse are sagekit::attention's bit for bit, and the
+    # backward on its saved out and L2 is the backward that runs the forward again. With one
+    # K/V tile (n_kv <= 128) and one query head per K/V head, no gradient element gets two fp32
+    # atomic additions, so the backward is deterministic and every bit must agree; at
+    # n = 1024, dk and dv still are (one query head per K/V head) and dq may differ only by
+    # the order of its atomics across the K/V tiles' CTAs.
+    dtype = getattr(torch, dtype)
+    # The causal mask both ways: is_causal, and the window (-1, 0), which the training forward
+    # runs as is_causal (the same bits).
+    options = [(True, (-1, -1)), (False, (-1, 0))] if causal else [(False, (-1, -1))]
+    eps = torch.finfo(dtype).eps
+    for d in (64, 128):
+        if d not in sagekit.gpu_head_dims():
+            continue
+        for nq, nkv in ((200, 128), (1024, 1024)):
+            q, k, v = (t.detach() for t in _qkv(nq=nq, nkv=nkv, d=d, dtype=dtype, layout=layout,
+                                                seed=d + nq))
+            do = torch.randn_like(q)
+            for is_causal, window in options:
+                fwd = (q, k, v, layout, is_causal, *window, None, "sagebwd", True)
+                out, lse, l2 = torch.ops.sagekit.attention_for_training(*fwd)
+                ref_out, ref_lse = torch.ops.sagekit.attention(*fwd, None, None, None, None)
+                assert l2.dtype == torch.float32 and l2.shape == lse.shape == (1, 4, nq)
+                if not (causal and nq > nkv):  # else the first rows see no key
+                    assert torch.isfinite(l2).all()
+                assert torch.equal(_bits(out), _bits(ref_out)), (d, nq, is_causal, window)
+                assert torch.equal(_bits(lse), _bits(ref_lse)), (d, nq, is_causal, window)
+                bwd = (q, k, v, do, layout, is_causal, *window, None, "sagebwd")
+                rerun = torch.ops.sagekit.attention_backward(*bwd)
+                saved = torch.ops.sagekit.attention_backward(*bwd, out, l2)
+                for name, a, b in zip(("dq", "dk", "dv"), saved, rerun):
+                    case = (name, d, nq, is_causal, window)
+                    if name != "dq" or nkv <= 128:
+                        assert torch.equal(_bits(a), _bits(b)), case
+                    else:  # the atomics' order: at most a rounding of the fp32 sum apart
+                        assert cosine(a.float().cpu(), b.float().cpu()) >= 0.999999, case
+                        torch.testing.assert_close(a, b, rtol=2 * eps,
+                                                   atol=1e-3 * b.abs().max().item(), msg=str(case))
+                torch.testing.assert_close(out, ref_out, atol=0, rtol=0)  # out was only read
+
+
+@needs_gpu
+def test_sageattn_trains_through_the_saved_forward():
+    # sageattn under autograd is sagekit::attention_for_training, which saves q, k, v, out and
+    # L2; its gradients are the re-running op's, bit for bit (a deterministic shape, as above).
+    q, k, v = _qkv(nq=200, nkv=128, seed=13)
+    do = torch.randn_like(q)
+    out = sagekit.sageattn(q, k, v, is_causal=True, recipe="sagebwd")
+    assert "attention_for_training" in out.grad_fn.name(), out.grad_fn.name()
+    assert len(out.grad_fn.saved_tensors) == 5  # q, k, v, out, l2
+    out.backward(do)
+    saved = _grads(q, k, v)
+    for t in (q, k, v):
+        t.grad = None
+    ref, _ = torch.ops.sagekit.attention(q, k, v, "HND", True, -1, -1, None, "sagebwd", False,
+                                         None, None, None, None)
+    assert "attention_for_training" not in ref.grad_fn.name()
+    assert torch.equal(_bits(out.detach()), _bits(ref.detach()))
+    ref.backward(do)
+    for name, a, b in zip(("dq", "dk", "dv"), saved, _grads(q, k, v)):
+        assert torch.equal(_bits(a), _bits(b)), name
+    # Inference writes no L2: no autograd node, so the plain op (or its body) ran.
+    with torch.no_grad():
+        assert sagekit.sageattn(q, k, v, recipe="sagebwd").grad_fn is None
+    assert sagekit.sageattn(q.detach(), k.detach(), v.detach(), recipe="sagebwd").grad_fn is None
+    # A recipe without an sm_90 backward trains through the same op with no L2, and its
+    # backward names the recipe (test_other_recipes_raise_by_name_in_backward).
+    out = sagekit.sageattn(q, k, v, recipe="sagebwd,dp_format=int8")
+    assert len(out.grad_fn.saved_tensors) == 3
+
+
+@needs_gpu
+def test_training_fake_matches_the_real_op():
+    q, k, v = (t.detach() for t in _qkv(hq=8, hkv=2, nq=200, nkv=300, seed=14, layout="NHD"))
+    for recipe, window in (("sagebwd", (-1, -1)), ("sagebwd_block", (-1, 0)),
+                           ("sagebwd", (16, 0)), ("sage2_8b", (-1, -1))):
+        args = (q, k, v, "NHD", True, *window, None, recipe, True)
+        torch.library.opcheck(torch.ops.sagekit.attention_for_training.default, args,
+                              test_utils=("test_schema", "test_faketensor"))
+    out, _, l2 = torch.ops.sagekit.attention_for_training(q, k, v, "NHD", True, -1, -1, None,
+                                                          "sagebwd", False)
+    # The backward on the saved forward: out and l2 are read, never written (test_schema).
+    args = (q, k, v, torch.randn_like(q), "NHD", True, -1, -1, None, "sagebwd", out, l2)
     torch.library.opcheck(torch.ops.sagekit.attention_backward.default, args,
                           test_utils=("test_schema", "test_faketensor"))
