@@ -250,10 +250,11 @@ fi
 if has bwdbench; then
   # Issue 33: SageBwd's gradients against float64 beside SDPA bf16, and fwd/bwd/fwd+bwd speed.
   # The GPU rows only: the simulator's (the INT8-dP ablation) are the same on any machine.
+  # BWD_ARGS is passed on (e.g. --rerun, --recipe sagebwd_block).
   log backward accuracy and speed
   python3 bench/bench_backward.py --accuracy-json "$OUT/backward_accuracy.json" \
     --accuracy-impls sagekit,torch-sdpa-bf16 \
-    --json "$OUT/h100_backward.json" --ns "${NS:-1024,2048,4096,8192,16384}" 2>&1 | grep -vi warn | tail -40
+    --json "$OUT/h100_backward.json" --ns "${NS:-1024,2048,4096,8192,16384}" ${BWD_ARGS:-} 2>&1 | grep -vi warn | tail -40
 fi
 if has parity; then
   # Issue 33's training parity: a small GPT, SDPA bf16 against sagebwd (PARITY_ARGS passed on).
