@@ -86,11 +86,11 @@ __device__ __forceinline__ void run_consumers(const BackwardParams& p, const Sme
     quantize_ds<G>(s, th, fill & 1, dsv, dsa, ds_scale);
     const float dk_scale[2] = {__fmul_rn(ds_scale[0], q_scale), __fmul_rn(ds_scale[1], q_scale)};
     accumulate_dv_dk<D>(s, st, pa, p_scale, do_scale, dsa, dk_scale, dv, dk);
-    // The stage's operands are read (S^T, dP^T, dV, dK waited for): one arrival per warp,
-    // after every lane's reads of the stage's L2 and D rows (__syncwarp orders them; without
-    // it racecheck sees the producer's next load of the stage race those reads).
-    __syncwarp();
-    if (th.lane == 0) mbar_arrive(s.empty(st));
+    // The stage's operands are read (S^T, dP^T, dV, dK waited for). Every thread arrives,
+    // each after its own reads of the stage's L2 and D rows: with one arrival per warp behind
+    // __syncwarp, racecheck still sees the producer's next bulk load of the stage race the
+    // other lanes' reads.
+    mbar_arrive(s.empty(st));
     // Every warp's dS codes (and, the first time, K'^T) are in shared memory.
     named_barrier_sync(kDsStored, 128 * kConsumers);
     float dq_scale[2];
@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int st = 0; st < kStages; ++st) {
       mbar_init(s.full(st), 1);
-      mbar_init(s.empty(st), 4 * kConsumers);  // lane 0 of each consumer warp
+      mbar_init(s.empty(st), 128 * kConsumers);  // every consumer thread
     }
     mbar_init(s.kv_full(), 1);
     fence_barrier_init();
