@@ -135,6 +135,23 @@ def distribution(name: str, n: int, d: int, heads: int, gen: torch.Generator):
     return q, k, v
 
 
+def profile_call(args, point: str) -> None:
+    """Two fwd + bwd calls of sageattn at one point ("d,n,causal"), for a profiler that skips
+    the first backward launch (gpu_run.sh bwdprofile)."""
+    import sagekit
+
+    d, n, causal = map(int, point.split(","))
+    batch = max(1, args.tokens // n)
+    qkv = [torch.randn(batch, args.heads, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for _ in range(3)]
+    dout = torch.randn(batch, args.heads, n, d, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        out = sagekit.sageattn(*qkv, is_causal=bool(causal), recipe=args.recipe)
+        torch.autograd.grad(out, qkv, dout)
+    torch.cuda.synchronize()
+    print(f"profiled d={d} n={n} causal={causal} batch={batch} heads={args.heads}")
+
+
 # Accuracy rows: the GPU's (sagekit.sageattn, torch SDPA) and the CPU simulator's recipes.
 # The recipe (--recipe) runs as "sagekit" on the GPU and "simulator" on the CPU; "simulator-int8dp"
 # is its INT8-dP ablation (dp_format=int8, simulator only).
@@ -232,7 +249,12 @@ def main():
                     help="accuracy rows to compute (the GPU ones are skipped without CUDA)")
     ap.add_argument("--accuracy-merge", action="store_true",
                     help="keep the --accuracy-json file's records other than those recomputed")
+    ap.add_argument("--profile-call", metavar="D,N,CAUSAL",
+                    help="only run two fwd + bwd calls at this point (for ncu; gpu_run.sh bwdprofile)")
     args = ap.parse_args()
+    if args.profile_call:
+        profile_call(args, args.profile_call)
+        return
     if not args.json and not args.accuracy_json:
         ap.error("give --json and/or --accuracy-json")
     if args.accuracy_json:

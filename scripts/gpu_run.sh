@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizers, Python package, benchmark.
-# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [timingmodes] [profile] [digest] [ab] [dist] [distbench] [dimbench] [varlenbench] [bwdbench] [parity]
+# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [timingmodes] [profile] [digest] [ab] [dist] [distbench] [dimbench] [varlenbench] [bwdbench] [parity] [bwdprofile]
 # Results land in $OUT (at most 8 files come back): logs, JSON and Markdown.
 # bench: BENCH_RUNS runs of the grid (default 3), merged into $OUT/h100.{json,md} by their
 # per-point median (bench/merge_runs.py).
@@ -260,4 +260,29 @@ if has parity; then
   # Issue 33's training parity: a small GPT, SDPA bf16 against sagebwd (PARITY_ARGS passed on).
   log training parity
   python3 bench/training_parity.py --out "$OUT/training_parity.json" ${PARITY_ARGS:-} 2>&1 | tail -30
+fi
+if has bwdprofile; then
+  # Nsight Compute on SageBwd's backward kernel (one fwd + bwd of sageattn, recipe sagebwd,
+  # bf16, 32K tokens a call): the full section set, per-pipe utilization and the SASS with
+  # stall samples, per BWD_PROFILE_POINTS ("d n causal;..."), archived into one file
+  # ($OUT/bwd_profile.tgz: the per-call file limit). Source lines need CUDA_FLAGS=-lineinfo.
+  log "ncu profile of the backward"
+  mkdir -p $BUILD/bwdprof && rm -f $BUILD/bwdprof/*
+  IFS=';' read -r -a points <<< "${BWD_PROFILE_POINTS:-128 4096 0;64 4096 0}"
+  for point in "${points[@]}"; do
+    set -- $point
+    name=bwd_d$1_n$2_c$3
+    timeout 240 ncu --clock-control none --set full --import-source yes -k regex:backward_kernel \
+      --launch-skip 1 --launch-count 1 -o "$BUILD/bwdprof/$name" -f \
+      python3 bench/bench_backward.py --profile-call "$1,$2,$3" > "$BUILD/bwdprof/$name.log" 2>&1
+    ncu --import "$BUILD/bwdprof/$name.ncu-rep" --page details --print-details all > "$BUILD/bwdprof/$name.txt" 2>&1
+    ncu --import "$BUILD/bwdprof/$name.ncu-rep" --page raw --csv \
+      --metrics 'regex:^sm__(inst_executed_pipe_[a-z_]+|pipe_[a-z_]+_cycles_active)\.avg\.pct_of_peak_sustained_active$' \
+      >> "$BUILD/bwdprof/$name.txt" 2>&1
+    ncu --import "$BUILD/bwdprof/$name.ncu-rep" --page source --print-source cuda,sass --csv \
+      -k regex:backward_kernel > "$BUILD/bwdprof/$name.sass.csv" 2>&1
+    echo "$name: $(grep -c 'Section:' "$BUILD/bwdprof/$name.txt") sections, $(wc -l < "$BUILD/bwdprof/$name.sass.csv") SASS lines;" \
+      "$(grep -E '^\s+Duration|Compute \(SM\) Throughput|Registers Per Thread' "$BUILD/bwdprof/$name.txt" | tr -s ' ' | tr '\n' ';')"
+  done
+  tar czf "$OUT/bwd_profile.tgz" -C $BUILD/bwdprof $(cd $BUILD/bwdprof && ls *.txt *.csv *.log)
 fi
