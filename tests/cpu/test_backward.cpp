@@ -3,6 +3,7 @@
 // against exact_backward: accuracy, the INT8-dP ablation, causal, GQA, layouts, arguments.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <iostream>
@@ -18,6 +19,8 @@
 #include "sage/backward.h"
 #include "numerics/tile.h"
 #include "sage/error.h"
+#include "numerics/mask.h"
+#include "sm90/bwd/kernel_traits.h"
 #include "numerics/formats.h"
 #include "numerics/quant_rules.h"
 #include "numerics/tile.h"
@@ -534,6 +537,37 @@ TEST(BackwardTiles, NestInTheForwardsScaleGroups) {
     EXPECT_EQ(tile_config(d).block_q % bt.block_q, 0) << d;
     EXPECT_EQ(tile_config(d).block_kv, bt.block_kv) << d;
   }
+}
+
+// The sm_90 kernel's Q tiles per K/V tile (sm90/bwd/kernel_traits.h): the CTA of K/V tile j runs
+// exactly the Q tiles with a row that sees a key of tile j, and the K/V tiles that add into a
+// Q tile's dQ are 0 .. last_kv_tile (deterministic mode's turns are positions in that prefix).
+TEST(BackwardTiles, KernelQTilesAreTheMasksAndTheirKvTilesAPrefix) {
+  using sm90::bwd::kBlockKV;
+  using sm90::bwd::kBlockQ;
+  for (bool causal : {false, true})
+    for (int n_q : {1, 63, 64, 65, 200, 333, 1024, 1088})
+      for (int n_kv : {1, 127, 128, 129, 200, 333, 700, 1024}) {
+        SCOPED_TRACE(std::to_string(n_q) + " x " + std::to_string(n_kv) + (causal ? " causal" : ""));
+        const int q_tiles = (n_q + kBlockQ - 1) / kBlockQ, kv_tiles = (n_kv + kBlockKV - 1) / kBlockKV;
+        const KeyWindow window{-1, causal ? 0 : -1};
+        for (int t = 0; t < q_tiles; ++t) {
+          int contributors = 0, highest = -1;
+          for (int j = 0; j < kv_tiles; ++j) {
+            bool sees = false;
+            for (int i = t * kBlockQ; i < std::min(n_q, (t + 1) * kBlockQ); ++i) {
+              const KeyRange keys = visible_keys(i, n_q, n_kv, window);
+              sees = sees || (!keys.empty() && keys.begin < (j + 1) * kBlockKV && keys.end > j * kBlockKV);
+            }
+            const bool runs = sm90::bwd::first_q_tile(j * kBlockKV, n_q, n_kv, causal) <= t;
+            ASSERT_EQ(runs, sees) << "Q tile " << t << ", K/V tile " << j;
+            if (runs) ++contributors, highest = j;
+          }
+          if (contributors == 0) continue;
+          ASSERT_EQ(highest, contributors - 1) << "Q tile " << t << ": not a prefix";
+          ASSERT_EQ(sm90::bwd::last_kv_tile(t, n_q, n_kv, kv_tiles, causal), highest) << "Q tile " << t;
+        }
+      }
 }
 
 // ---- arguments -----------------------------------------------------------------------------
