@@ -74,6 +74,16 @@ constexpr int last_kv_tile(int t, int n_q, int n_kv, int kv_tiles, bool causal) 
   return last < kv_tiles - 1 ? last : kv_tiles - 1;
 }
 
+// Deterministic mode's order (order.cuh): the grid's blockIdx.x runs the K/V tiles in
+// decreasing order, and K/V tile j adds its dQ of Q tile t at turn dq_turn (0 first): the K/V
+// tiles that add there, highest first.
+constexpr int kv_tile_of_block(int block_x, int kv_tiles, bool deterministic) {
+  return deterministic ? kv_tiles - 1 - block_x : block_x;
+}
+constexpr int dq_turn(int t, int kv_tile, int n_q, int n_kv, int kv_tiles, bool causal) {
+  return last_kv_tile(t, n_q, n_kv, kv_tiles, causal) - kv_tile;
+}
+
 // Whether the backward has a kernel at a head dim: 64 and 128 (K' rows of exactly D bytes in
 // the forward's workspace, quant/kv_layout.h; dK and dV in registers). Others are refused by
 // name (api/backward.cu).
