@@ -15,6 +15,10 @@ reuses the saved forward (its L2 and output) and runs only the K/V pre-pass agai
 no_grad) is sagekit::attention, which writes no L2. --rerun adds "sagekit-rerun", the op
 sagekit::attention called directly, whose backward runs the whole forward again (the path
 before the saved forward was wired into Python): the A/B of the two in one run.
+--deterministic adds "sagekit-deterministic", sageattn with every pass run under
+torch.use_deterministic_algorithms(True) (the backward's deterministic mode; torch's filling of
+uninitialized memory left off, so that the kernels' cost alone is timed): its cost against
+"sagekit" in one run.
 
 Accuracy (--accuracy-json): N = 4096, d = 128, one batch, 2 heads, bf16 inputs from a few of
 the synthetic distributions (docs/numerics.md; drawn here with torch, not the library's
@@ -42,7 +46,7 @@ from cuda_timing import median_ms
 
 
 
-def attention_impls(causal: bool, recipe: str, rerun: bool = False):
+def attention_impls(causal: bool, recipe: str, rerun: bool = False, deterministic: bool = False):
     import sagekit
 
     def sdpa(backend):
@@ -58,9 +62,27 @@ def attention_impls(causal: bool, recipe: str, rerun: bool = False):
     impls = {"sagekit": lambda q, k, v: sagekit.sageattn(q, k, v, is_causal=causal, recipe=recipe)}
     if rerun:
         impls["sagekit-rerun"] = rerun_forward
+    if deterministic:
+        impls["sagekit-deterministic"] = impls["sagekit"]
     impls.update({"torch-flash": sdpa(SDPBackend.FLASH_ATTENTION),
                   "torch-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)})
     return impls
+
+
+def under_deterministic_algorithms(fn):
+    """fn with torch's deterministic switch on while it runs (the backward reads it when it runs)."""
+    import torch.utils.deterministic
+
+    def run(i):
+        fill = torch.utils.deterministic.fill_uninitialized_memory
+        torch.use_deterministic_algorithms(True)
+        torch.utils.deterministic.fill_uninitialized_memory = False
+        try:
+            fn(i)
+        finally:
+            torch.use_deterministic_algorithms(False)
+            torch.utils.deterministic.fill_uninitialized_memory = fill
+    return run
 
 
 def speed(args):
@@ -76,7 +98,8 @@ def speed(args):
         douts = [torch.randn(batch, args.heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
         fwd_ops = 4.0 * batch * args.heads * n * n * d / (2 if causal else 1)
         row = {}
-        for name, attn in attention_impls(bool(causal), args.recipe, args.rerun).items():
+        for name, attn in attention_impls(bool(causal), args.recipe, args.rerun,
+                                          args.deterministic).items():
             kept = [attn(*s) for s in sets]   # graphs for the "bwd" pass
 
             def fwd(i):
@@ -91,6 +114,8 @@ def speed(args):
                 torch.autograd.grad(out, sets[i % 2], douts[i % 2])
 
             for pass_name, fn, factor in (("fwd", fwd, 1.0), ("bwd", bwd, 2.5), ("fwd_bwd", fwd_bwd, 3.5)):
+                if name == "sagekit-deterministic":
+                    fn = under_deterministic_algorithms(fn)
                 try:
                     ms = median_ms(fn, args.warmup, args.iters)
                 except Exception as e:  # a backend that refuses the shape is reported, not hidden
@@ -113,6 +138,8 @@ def speed(args):
               f"vs cudnn {s / row.get('torch-cudnn fwd_bwd', float('nan')):.2f}x "
               + (f"vs re-run forward {s / row.get('sagekit-rerun fwd_bwd', float('nan')):.2f}x "
                  if args.rerun else "")
+              + (f"deterministic bwd {row.get('sagekit-deterministic bwd', float('nan')) / row.get('sagekit bwd', float('nan')):.2f}x "
+                 if args.deterministic else "")
               + f"({time.time() - t0:.0f}s)", flush=True)
     return records
 
@@ -245,6 +272,8 @@ def main():
     ap.add_argument("--recipe", default="sagebwd", help="a preset with a backward")
     ap.add_argument("--rerun", action="store_true",
                     help="also time sagekit-rerun (the backward that runs the forward again)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="also time sagekit-deterministic (torch.use_deterministic_algorithms(True))")
     ap.add_argument("--accuracy-impls", default=",".join(GPU_IMPLS + tuple(SIMULATOR_OPTIONS)),
                     help="accuracy rows to compute (the GPU ones are skipped without CUDA)")
     ap.add_argument("--accuracy-merge", action="store_true",

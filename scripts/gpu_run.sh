@@ -250,7 +250,7 @@ fi
 if has bwdbench; then
   # Issue 33: SageBwd's gradients against float64 beside SDPA bf16, and fwd/bwd/fwd+bwd speed.
   # The GPU rows only: the simulator's (the INT8-dP ablation) are the same on any machine.
-  # BWD_ARGS is passed on (e.g. --rerun, --recipe sagebwd_block).
+  # BWD_ARGS is passed on (e.g. --rerun, --deterministic, --recipe sagebwd_block).
   log backward accuracy and speed
   python3 bench/bench_backward.py --accuracy-json "$OUT/backward_accuracy.json" \
     --accuracy-impls sagekit,torch-sdpa-bf16 \

@@ -35,6 +35,10 @@ struct BackwardArgs {
   bool causal = false;
   std::optional<float> sm_scale;  // default 1/sqrt(head_dim)
   Recipe recipe = Recipe{};       // must have a backward (has_backward)
+  // GPU: sum dQ (and dK, dV under GQA) in a fixed order, so that repeated calls give the same
+  // bits (see "Determinism" below). The CPU references always sum in a fixed order: there it
+  // changes nothing.
+  bool deterministic = false;
 };
 
 // The forward call of a backward's arguments: q, k, v, layout, causal, sm_scale and recipe;
@@ -60,8 +64,22 @@ Problem check_backward_args(const BackwardArgs& args, DeviceKind device);
 // fallback); the simulator runs them.
 //
 // Determinism: dQ is summed across the K/V tiles' CTAs and dK, dV across a GQA group's query
-// heads with fp32 atomics, so the order of those float additions (and the last bits of dq, and
-// of dk, dv under GQA) may differ from run to run. There is no deterministic mode yet.
+// heads with fp32 atomics. deterministic = false (the default, as in FlashAttention: training
+// tolerates last-bit noise, and the fixed order costs time) lets the atomics land in whatever
+// order the CTAs reach them, so the last bits of dq, and of dk, dv under GQA, may differ from
+// run to run (dk, dv without GQA get one addition per element and never do). deterministic =
+// true fixes the order of the additions into every element: K/V tiles in decreasing order for
+// dQ, the group's query heads in increasing order for dK and dV. Repeated calls with the same
+// inputs and arguments then give the same bits (within one build; not the simulator's bits,
+// only the same tolerances against it, docs/numerics.md).
+// Its cost is waiting, not arithmetic: a CTA adds its dQ of a Q tile only after the CTAs of the
+// higher K/V tiles of that head have added theirs (sm90/bwd/order.cuh). Causal, the higher K/V
+// tiles start at later Q tiles, so they are ahead anyway and a CTA seldom waits; non-causal,
+// one head's K/V tiles advance as a wavefront, the r-th in the order starting r Q-tile steps
+// late (with all of a head's K/V tiles running at once at one pace, about n_kv / (4 n_q) of
+// their busy time spent waiting). Under GQA a CTA adds dK and dV only after the previous query
+// head's CTA of its K/V tile has (once, at the kernel's end). The workspace grows by an int32
+// counter per (batch, query head, 64-row Q tile) and per (batch, KV head, 128-key K/V tile).
 size_t backward_workspace_bytes(const BackwardArgs& args);
 void attention_backward(const BackwardArgs& args, void* workspace, size_t workspace_size,
                         void* stream);

@@ -30,18 +30,22 @@ Ops:
     backward does not run the forward again; lse and l2 are not differentiable.
 
   torch.ops.sagekit.attention_backward(q, k, v, dout, layout, is_causal, window_left,
-                                       window_right, scale, recipe, out=None, lse2=None)
-                                       -> (dq, dk, dv)
+                                       window_right, scale, recipe, out=None, lse2=None,
+                                       deterministic=False) -> (dq, dk, dv)
     the gradients of sagekit::attention's output (the C++ attention_backward); dq, dk, dv:
     q's, k's and v's shapes, contiguous in the call's layout, q's dtype. Without out and
     lse2 it runs the recipe's forward again, then its backward; with them (the saved
     forward's output and l2, from attention_for_training on the same inputs and options)
-    only the K/V pre-pass and the backward, giving the same bits. Only recipes with a
-    backward (sagebwd, sagebwd_block) and no sliding window; anything else raises
+    only the K/V pre-pass and the backward, giving the same bits. deterministic: the C++
+    BackwardArgs::deterministic (the atomics in a fixed order, so the same bits on every
+    run; slower); torch.use_deterministic_algorithms(True) turns it on too. Only recipes
+    with a backward (sagebwd, sagebwd_block) and no sliding window; anything else raises
     sagekit.ArgumentError naming `recipe` or `window_size` (`out` / `lse2` for one of the
     pair without the other).
     The autograd formulas of sagekit::attention (the forward again) and of
-    sagekit::attention_for_training (the saved forward) call it, so loss.backward() through
+    sagekit::attention_for_training (the saved forward) call it, passing
+    torch.are_deterministic_algorithms_enabled() as `deterministic` (an argument, so that a
+    torch.compile'd backward graph holds the choice), so loss.backward() through
     sageattn(..., recipe="sagebwd") works, in eager mode, under torch.compile and in CUDA
     graphs. The LSE output is not differentiable (see _attention_setup_context).
 
@@ -69,7 +73,6 @@ Ops:
 
 import contextlib
 import functools
-import warnings
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -287,20 +290,12 @@ def check_backward_options(window_left: int, window_right: int, is_causal: bool,
     return is_causal or window_right == 0
 
 
-def _alert_not_deterministic() -> None:
-    """torch's rule for an op without a deterministic implementation (as its own
-    alertNotDeterministic): an error under torch.use_deterministic_algorithms(True), a
-    warning with warn_only=True. The backward sums dQ (and dK, dV under GQA) with fp32
-    atomics, so its last bits may change from run to run."""
-    if not torch.are_deterministic_algorithms_enabled():
-        return
-    message = ("sagekit::attention_backward does not have a deterministic implementation (it "
-               "sums dQ, and dK, dV across a GQA group, with fp32 atomics), but you set "
-               "'torch.use_deterministic_algorithms(True)'")
-    if torch.is_deterministic_algorithms_warn_only_enabled():
-        warnings.warn(message)
-    else:
-        raise RuntimeError(message)
+def deterministic_backward() -> bool:
+    """Whether the backward sums its atomics in a fixed order: torch's own switch,
+    torch.use_deterministic_algorithms (warn_only included: the deterministic backward exists,
+    so there is nothing to warn about). The autograd formulas read it when they are traced or
+    run and pass it to sagekit::attention_backward as an argument."""
+    return torch.are_deterministic_algorithms_enabled()
 
 
 def _gpu_view(t: torch.Tensor) -> torch.Tensor:
@@ -319,7 +314,8 @@ def _attention_backward_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              dout: torch.Tensor, layout: str, is_causal: bool, window_left: int,
                              window_right: int, scale: Optional[float], recipe: str,
                              out: Optional[torch.Tensor] = None,
-                             lse2: Optional[torch.Tensor] = None
+                             lse2: Optional[torch.Tensor] = None,
+                             deterministic: bool = False
                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     causal = check_backward_options(window_left, window_right, is_causal, recipe)
     if out is not None and lse2 is None:
@@ -330,7 +326,9 @@ def _attention_backward_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if lse2 is not None and out is None:
         raise argument_error("out", "is required with lse2: the saved forward's output (from "
                              "the same attention_for_training call), read by the backward")
-    _alert_not_deterministic()
+    # torch's switch holds for a direct call of the op too (torch's rule: a deterministic
+    # implementation wherever one exists); the formulas pass it anyway.
+    deterministic = deterministic or deterministic_backward()
     _require_cuda_build()
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
@@ -351,7 +349,8 @@ def _attention_backward_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               dlpack_capsule(dout), dlpack_capsule(dq), dlpack_capsule(dk),
                               dlpack_capsule(dv), out=_capsule(out), layout=layout,
                               causal=causal, sm_scale=scale, recipe=recipe,
-                              workspace=_allocate(q.device), stream=stream, lse2=_capsule(lse2))
+                              workspace=_allocate(q.device), stream=stream, lse2=_capsule(lse2),
+                              deterministic=deterministic)
     return dq, dk, dv
 
 
@@ -361,7 +360,7 @@ attention_backward = torch.library.custom_op("sagekit::attention_backward", muta
 
 @attention_backward.register_fake
 def _attention_backward_fake(q, k, v, dout, layout, is_causal, window_left, window_right, scale,
-                             recipe, out=None, lse2=None):
+                             recipe, out=None, lse2=None, deterministic=False):
     return (q.new_empty(q.shape), k.new_empty(k.shape, dtype=q.dtype),
             v.new_empty(v.shape, dtype=q.dtype))
 
@@ -391,7 +390,8 @@ def _attention_backward_formula(ctx, grad_out, _grad_lse):
     grads = (None, None, None)
     if any(needs[:3]):
         q, k, v = ctx.saved_tensors
-        grads = attention_backward(q, k, v, grad_out, *ctx.options)
+        grads = attention_backward(q, k, v, grad_out, *ctx.options,
+                                   deterministic=deterministic_backward())
     return (*(g if need else None for g, need in zip(grads, needs[:3])),) + (None,) * 11
 
 
@@ -497,7 +497,8 @@ def _training_backward_formula(ctx, grad_out, _grad_lse, _grad_l2):
     grads = (None, None, None)
     if any(needs[:3]):
         saved = ctx.saved_tensors
-        grads = attention_backward(*saved[:3], grad_out, *ctx.options, *saved[3:])
+        grads = attention_backward(*saved[:3], grad_out, *ctx.options, *saved[3:],
+                                   deterministic=deterministic_backward())
     return (*(g if need else None for g, need in zip(grads, needs[:3])),) + (None,) * 7
 
 

@@ -104,12 +104,15 @@ struct BackwardCall {
 
 // lse2 (GPU only): the saved forward's L2 (attention_for_training's); with it, `out` is that
 // forward's output, which the backward reads instead of writing (so it may be read-only).
+// deterministic (GPU only; the CPU references always sum in a fixed order): BackwardArgs's.
 void fill_backward(BackwardCall& c, nb::handle q, nb::handle k, nb::handle v, nb::handle dout,
                    nb::handle dq, nb::handle dk, nb::handle dv, nb::handle out, nb::handle lse,
                    const std::string& layout, bool causal, std::optional<double> sm_scale,
-                   nb::handle recipe, bool host = true, nb::handle lse2 = nb::none()) {
+                   nb::handle recipe, bool host = true, nb::handle lse2 = nb::none(),
+                   bool deterministic = false) {
   sage::BackwardArgs& a = c.args;
   fill_shared(a, c.arrays, q, k, v, layout, causal, sm_scale, recipe);
+  a.deterministic = deterministic;
   a.dout = c.arrays.input(dout, "dout");
   a.dq = c.arrays.output(dq, "dq");
   a.dk = c.arrays.output(dk, "dk");
@@ -465,10 +468,10 @@ NB_MODULE(_C, m) {
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle dout, nb::handle dq, nb::handle dk,
          nb::handle dv, nb::handle out, nb::handle lse, const std::string& layout, bool causal,
          std::optional<double> sm_scale, nb::handle recipe, nb::handle workspace,
-         uintptr_t stream, nb::handle lse2) {
+         uintptr_t stream, nb::handle lse2, bool deterministic) {
         BackwardCall c;
         fill_backward(c, q, k, v, dout, dq, dk, dv, out, lse, layout, causal, sm_scale, recipe,
-                      /*host=*/false, lse2);
+                      /*host=*/false, lse2, deterministic);
         const size_t need = sage::backward_workspace_bytes(c.args);
         size_t ws_size = 0;
         nb::object allocated;  // keeps an allocator's buffer alive until the launch is queued
@@ -480,37 +483,38 @@ NB_MODULE(_C, m) {
       "dv"_a.none(), "out"_a.none() = nb::none(), "lse"_a.none() = nb::none(), nb::kw_only(),
       "layout"_a = "HND", "causal"_a = false, "sm_scale"_a = nb::none(),
       "recipe"_a.none() = "sagebwd", "workspace"_a.none() = nb::none(), "stream"_a = 0,
-      "lse2"_a.none() = nb::none(),
+      "lse2"_a.none() = nb::none(), "deterministic"_a = false,
       "The gradients of attention on the GPU (sm_90a), enqueued on `stream` (a cudaStream_t as "
       "an int). Without lse2 it runs the recipe's forward again (writing out and lse where "
       "given), then its backward; with lse2, the rows' base-2 log-sums that "
       "attention_for_training() wrote, and out, that same call's output (read, not written; "
       "lse must then be None), only the K/V pre-pass runs again before the backward. "
       "The gradients are the same bits either way: dq, dk, dv in q's dtype (dk, dv summed "
-      "over the query heads of a GQA group), with fp32 atomics (not bit-deterministic run to "
-      "run). q, k, v: as for attention(); dout: q's shape and dtype; dq, dk, dv: q's, k's and "
+      "over the query heads of a GQA group), with fp32 atomics: their last bits may change "
+      "from run to run unless deterministic=True, which fixes the atomics' order (slower; "
+      "sage/backward.h, \"Determinism\"). q, k, v: as for attention(); dout: q's shape and dtype; dq, dk, dv: q's, k's and "
       "v's shapes, written; out: q's shape, lse: [batch, heads_q, n_q] float32, optional; "
       "lse2: [batch, heads_q, n_q] float32, contiguous, optional. recipe: one the sm_90 "
       "backward implements (gpu_supports_backward: sagebwd, sagebwd_block). workspace: a contiguous device "
-      "buffer of at least backward_workspace_bytes(...) bytes (with the same lse2) aligned to "
-      "256, or a callable(nbytes) returning one.");
+      "buffer of at least backward_workspace_bytes(...) bytes (with the same lse2 and "
+      "deterministic) aligned to 256, or a callable(nbytes) returning one.");
   m.def(
       "backward_workspace_bytes",
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle dout, nb::handle dq, nb::handle dk,
          nb::handle dv, nb::handle out, nb::handle lse, const std::string& layout, bool causal,
-         std::optional<double> sm_scale, nb::handle recipe, nb::handle lse2) {
+         std::optional<double> sm_scale, nb::handle recipe, nb::handle lse2, bool deterministic) {
         BackwardCall c;
         fill_backward(c, q, k, v, dout, dq, dk, dv, out, lse, layout, causal, sm_scale, recipe,
-                      /*host=*/false, lse2);
+                      /*host=*/false, lse2, deterministic);
         return sage::backward_workspace_bytes(c.args);
       },
       "q"_a.none(), "k"_a.none(), "v"_a.none(), "dout"_a.none(), "dq"_a.none(), "dk"_a.none(),
       "dv"_a.none(), "out"_a.none() = nb::none(), "lse"_a.none() = nb::none(), nb::kw_only(),
       "layout"_a = "HND", "causal"_a = false, "sm_scale"_a = nb::none(),
-      "recipe"_a.none() = "sagebwd", "lse2"_a.none() = nb::none(),
+      "recipe"_a.none() = "sagebwd", "lse2"_a.none() = nb::none(), "deterministic"_a = false,
       "Bytes of device workspace attention_backward() needs for these arguments, lse2 (the "
-      "saved forward's L2) included, since the size may depend on it (raises in a build "
-      "without CUDA, like every GPU entry point there).");
+      "saved forward's L2) and deterministic (its turn counters) included, since the size "
+      "depends on them (raises in a build without CUDA, like every GPU entry point there).");
   m.def(
       "attention_for_training",
       [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse2,

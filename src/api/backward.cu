@@ -58,7 +58,9 @@ int64_t kv_pad(int64_t n_kv) {
 }
 
 struct BackwardLayout {
-  size_t fwd, out, lse2, l2p, delta, q8, q8t, q_scale, do8t, do_scale, dq_acc, dk_acc, dv_acc, total;
+  size_t fwd, out, lse2, l2p, delta, q8, q8t, q_scale, do8t, do_scale, dq_acc, dk_acc, dv_acc;
+  size_t dq_turn, dkv_turn;  // deterministic mode's counters (0 bytes otherwise)
+  size_t total;
 };
 
 // A dense view of q's shape and dtype at `data`, in the call's layout: the forward's output
@@ -129,6 +131,7 @@ Checked check_gpu_backward(const BackwardArgs& a) {
   const size_t bh = size_t(pr.batch * pr.heads_q), kvh = size_t(pr.batch * pr.heads_kv);
   const size_t d = size_t(pr.head_dim), nq = size_t(pr.n_q), nkv = size_t(pr.n_kv);
   const size_t nqp = size_t(q_pad(pr.n_q)), tiles = nqp / sm90::bwd::kBlockQ;
+  const size_t kv_tiles = size_t(kv_pad(pr.n_kv)) / sm90::bwd::kBlockKV;
   // The forward's own workspace first (its quantized K' is the backward's).
   AttentionArgs f = forward_of(a, reinterpret_cast<void*>(kAlign));  // a non-null stand-in
   w.fwd = take(workspace_bytes(f));
@@ -144,6 +147,9 @@ Checked check_gpu_backward(const BackwardArgs& a) {
   w.dq_acc = take(bh * nq * d * 4);
   w.dk_acc = take(kvh * nkv * d * 4);
   w.dv_acc = take(kvh * nkv * d * 4);
+  // After the accumulators: the memset that zeroes them zeroes the counters too.
+  w.dq_turn = take(a.deterministic ? bh * tiles * 4 : 0);
+  w.dkv_turn = take(a.deterministic ? kvh * kv_tiles * 4 : 0);
   w.total = off;
   return {pr, w};
 }
@@ -225,6 +231,9 @@ void attention_backward(const BackwardArgs& args, void* workspace, size_t worksp
   p.dq_acc = reinterpret_cast<float*>(ws + w.dq_acc);
   p.dk_acc = reinterpret_cast<float*>(ws + w.dk_acc);
   p.dv_acc = reinterpret_cast<float*>(ws + w.dv_acc);
+  p.deterministic = args.deterministic;
+  p.dq_turn = args.deterministic ? reinterpret_cast<int*>(ws + w.dq_turn) : nullptr;
+  p.dkv_turn = args.deterministic ? reinterpret_cast<int*>(ws + w.dkv_turn) : nullptr;
   p.batch = int(pr.batch), p.heads_q = int(pr.heads_q), p.heads_kv = int(pr.heads_kv);
   p.n_q = int(pr.n_q), p.n_kv = int(pr.n_kv);
   p.n_pad = int(kv_pad(pr.n_kv));
@@ -234,7 +243,8 @@ void attention_backward(const BackwardArgs& args, void* workspace, size_t worksp
 
   p.sm_scale = pr.sm_scale;
   p.sm_scale_log2 = rules::sm_scale_log2(pr.sm_scale);
-  // The fp32 accumulators start at zero (dK and dV also where no query sees a key).
+  // The fp32 accumulators start at zero (dK and dV also where no query sees a key), and so do
+  // deterministic mode's turn counters.
   const cudaError_t err = cudaMemsetAsync(ws + w.dq_acc, 0, w.total - w.dq_acc, s);
   if (err != cudaSuccess) throw_cuda("backward workspace memset", err);
   const bool bf16 = args.q.dtype == DType::bf16;

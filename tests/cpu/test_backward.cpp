@@ -3,6 +3,7 @@
 // against exact_backward: accuracy, the INT8-dP ablation, causal, GQA, layouts, arguments.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <iostream>
@@ -18,6 +19,8 @@
 #include "sage/backward.h"
 #include "numerics/tile.h"
 #include "sage/error.h"
+#include "numerics/mask.h"
+#include "sm90/bwd/kernel_traits.h"
 #include "numerics/formats.h"
 #include "numerics/quant_rules.h"
 #include "numerics/tile.h"
@@ -536,6 +539,140 @@ TEST(BackwardTiles, NestInTheForwardsScaleGroups) {
   }
 }
 
+// The sm_90 kernel's Q tiles per K/V tile (sm90/bwd/kernel_traits.h): the CTA of K/V tile j runs
+// exactly the Q tiles with a row that sees a key of tile j, and the K/V tiles that add into a
+// Q tile's dQ are 0 .. last_kv_tile (deterministic mode's turns are positions in that prefix).
+TEST(BackwardTiles, KernelQTilesAreTheMasksAndTheirKvTilesAPrefix) {
+  using sm90::bwd::kBlockKV;
+  using sm90::bwd::kBlockQ;
+  for (bool causal : {false, true})
+    for (int n_q : {1, 63, 64, 65, 200, 333, 1024, 1088})
+      for (int n_kv : {1, 127, 128, 129, 200, 333, 700, 1024}) {
+        SCOPED_TRACE(std::to_string(n_q) + " x " + std::to_string(n_kv) + (causal ? " causal" : ""));
+        const int q_tiles = (n_q + kBlockQ - 1) / kBlockQ, kv_tiles = (n_kv + kBlockKV - 1) / kBlockKV;
+        const KeyWindow window{-1, causal ? 0 : -1};
+        for (int t = 0; t < q_tiles; ++t) {
+          int contributors = 0, highest = -1;
+          for (int j = 0; j < kv_tiles; ++j) {
+            bool sees = false;
+            for (int i = t * kBlockQ; i < std::min(n_q, (t + 1) * kBlockQ); ++i) {
+              const KeyRange keys = visible_keys(i, n_q, n_kv, window);
+              sees = sees || (!keys.empty() && keys.begin < (j + 1) * kBlockKV && keys.end > j * kBlockKV);
+            }
+            const bool runs = sm90::bwd::first_q_tile(j * kBlockKV, n_q, n_kv, causal) <= t;
+            ASSERT_EQ(runs, sees) << "Q tile " << t << ", K/V tile " << j;
+            if (runs) ++contributors, highest = j;
+          }
+          if (contributors == 0) continue;
+          ASSERT_EQ(highest, contributors - 1) << "Q tile " << t << ": not a prefix";
+          ASSERT_EQ(sm90::bwd::last_kv_tile(t, n_q, n_kv, kv_tiles, causal), highest) << "Q tile " << t;
+        }
+      }
+}
+
+// Deterministic mode's turn taking (sm90/bwd/order.cuh) played out on the CPU: the grid's CTAs
+// dispatched in increasing linear index (blockIdx.x fastest) onto `slots` SMs, one CTA each,
+// every resident CTA taking its next step whenever its turn has come. Every CTA finishes with
+// any number of slots, one included (each waits only for CTAs dispatched before it), and every
+// sum gets its additions in the promised order: a Q tile's dQ from its highest K/V tile down,
+// a K/V tile's dK and dV (under GQA) from the group's first query head up.
+struct TurnGrid {
+  int batch, heads_q, heads_kv, n_q, n_kv;
+  bool causal;
+};
+
+struct TurnStep {
+  size_t counter;
+  int turn, who;  // who: the K/V tile (dQ) or the query head (dK, dV) that adds
+};
+
+// Each CTA's steps, in linear block index order.
+std::vector<std::vector<TurnStep>> turn_steps(const TurnGrid& g, size_t& counters) {
+  using namespace sm90::bwd;
+  const int kv_tiles = (g.n_kv + kBlockKV - 1) / kBlockKV, q_tiles = (g.n_q + kBlockQ - 1) / kBlockQ;
+  const int group = g.heads_q / g.heads_kv;
+  const size_t dq_counters = size_t(g.batch * g.heads_q * q_tiles);
+  counters = dq_counters + size_t(g.batch * g.heads_kv * kv_tiles);
+  std::vector<std::vector<TurnStep>> ctas;
+  for (int b = 0; b < g.batch; ++b)
+    for (int h = 0; h < g.heads_q; ++h)
+      for (int x = 0; x < kv_tiles; ++x) {
+        const int j = kv_tile_of_block(x, kv_tiles, true);
+        std::vector<TurnStep> steps;
+        for (int t = first_q_tile(j * kBlockKV, g.n_q, g.n_kv, g.causal); t < q_tiles; ++t)
+          steps.push_back({size_t((b * g.heads_q + h) * q_tiles + t),
+                           dq_turn(t, j, g.n_q, g.n_kv, kv_tiles, g.causal), j});
+        if (group > 1 && !steps.empty())
+          steps.push_back({dq_counters + size_t((b * g.heads_kv + h / group) * kv_tiles + j), h % group, h});
+        ctas.push_back(steps);
+      }
+  return ctas;
+}
+
+// The additions each counter's sum received, in order; empty if the grid deadlocks.
+std::vector<std::vector<int>> play_turns(const TurnGrid& g, size_t slots) {
+  size_t counters = 0;
+  const std::vector<std::vector<TurnStep>> ctas = turn_steps(g, counters);
+  std::vector<int> count(counters, 0);
+  std::vector<std::vector<int>> order(counters);
+  std::vector<size_t> done(ctas.size(), 0), resident;
+  size_t next = 0;
+  while (true) {
+    while (resident.size() < slots && next < ctas.size()) resident.push_back(next++);
+    if (resident.empty()) return order;
+    bool moved = false;
+    for (size_t r = 0; r < resident.size();) {
+      const size_t c = resident[r];
+      if (done[c] < ctas[c].size() && count[ctas[c][done[c]].counter] == ctas[c][done[c]].turn) {
+        const TurnStep& s = ctas[c][done[c]++];
+        order[s.counter].push_back(s.who);
+        ++count[s.counter];
+        moved = true;
+      }
+      if (done[c] == ctas[c].size()) {
+        resident.erase(resident.begin() + std::ptrdiff_t(r));
+        moved = true;
+      } else {
+        ++r;
+      }
+    }
+    if (!moved) return {};
+  }
+}
+
+TEST(BackwardTiles, DeterministicTurnsFinishAndAddInTheirOrder) {
+  using sm90::bwd::kBlockKV;
+  using sm90::bwd::kBlockQ;
+  const TurnGrid grids[] = {{2, 4, 1, 1024, 1024, false}, {2, 4, 1, 1024, 1024, true},
+                            {1, 2, 2, 1088, 700, true},   {1, 3, 1, 200, 333, true},
+                            {1, 2, 1, 333, 1024, true},   {1, 4, 2, 64, 65, false},
+                            {1, 1, 1, 1, 1, true}};
+  for (const TurnGrid& g : grids)
+    for (size_t slots : {1, 2, 7, 1000}) {
+      SCOPED_TRACE(std::to_string(g.heads_q) + "/" + std::to_string(g.heads_kv) + " heads, " +
+                   std::to_string(g.n_q) + " x " + std::to_string(g.n_kv) + (g.causal ? " causal, " : ", ") +
+                   std::to_string(slots) + " slots");
+      const std::vector<std::vector<int>> order = play_turns(g, slots);
+      ASSERT_FALSE(order.empty()) << "deadlock";
+      const int q_tiles = (g.n_q + kBlockQ - 1) / kBlockQ, kv_tiles = (g.n_kv + kBlockKV - 1) / kBlockKV;
+      const int group = g.heads_q / g.heads_kv;
+      for (int bh = 0; bh < g.batch * g.heads_q; ++bh)
+        for (int t = 0; t < q_tiles; ++t) {
+          std::vector<int> want;  // the K/V tiles that run Q tile t, highest first
+          for (int j = kv_tiles - 1; j >= 0; --j)
+            if (sm90::bwd::first_q_tile(j * kBlockKV, g.n_q, g.n_kv, g.causal) <= t) want.push_back(j);
+          EXPECT_EQ(order[size_t(bh * q_tiles + t)], want) << "dQ of query head " << bh << ", Q tile " << t;
+        }
+      const size_t dq_counters = size_t(g.batch * g.heads_q * q_tiles);
+      for (int kvh = 0; kvh < g.batch * g.heads_kv; ++kvh)
+        for (int j = 0; j < kv_tiles; ++j) {
+          std::vector<int> want;  // the group's query heads, in increasing order
+          for (int h = 0; group > 1 && h < group; ++h) want.push_back((kvh % g.heads_kv) * group + h);
+          EXPECT_EQ(order[dq_counters + size_t(kvh * kv_tiles + j)], want) << "dK, dV of KV head " << kvh;
+        }
+    }
+}
+
 // ---- arguments -----------------------------------------------------------------------------
 
 class BackwardArgsTest : public ::testing::Test {
@@ -565,6 +702,22 @@ class BackwardArgsTest : public ::testing::Test {
     }
   }
 };
+
+// deterministic is the GPU's switch: the CPU references always add in a fixed order (GQA's dK
+// and dV over the group's query heads in increasing order), so it is accepted and changes no bit.
+TEST_F(BackwardArgsTest, DeterministicChangesNoBitOnTheCpu) {
+  for (void (*fn)(const BackwardArgs&) : {&reference::simulate_backward, &reference::exact_backward}) {
+    BackwardArgs a = args();  // 2 query heads on 1 KV head
+    a.causal = true;
+    fn(a);
+    const std::vector<float> dq0 = dq, dk0 = dk, dv0 = dv;
+    a.deterministic = true;
+    fn(a);
+    EXPECT_EQ(dq, dq0);
+    EXPECT_EQ(dk, dk0);
+    EXPECT_EQ(dv, dv0);
+  }
+}
 
 TEST_F(BackwardArgsTest, ValidArgumentsRunAndEveryBadOneIsNamed) {
   EXPECT_NO_THROW(reference::simulate_backward(args()));

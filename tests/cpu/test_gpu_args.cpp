@@ -32,6 +32,15 @@ class GpuArgs : public ::testing::Test {
     a.out = contiguous_view(storage(), DType::f16, {B, H, N, D}, gpu);
     return a;
   }
+  BackwardArgs make_backward() {
+    const AttentionArgs f = make();
+    BackwardArgs a;
+    a.q = f.q, a.k = f.k, a.v = f.v, a.dout = f.out;
+    a.dq = contiguous_view(storage(), DType::f16, {B, H, N, D}, Device::cuda(0));
+    a.dk = contiguous_view(storage(), DType::f16, {B, H, N, D}, Device::cuda(0));
+    a.dv = contiguous_view(storage(), DType::f16, {B, H, N, D}, Device::cuda(0));
+    return a;
+  }
   static void expect_error(const AttentionArgs& a, const std::string& argument,
                            const std::string& phrase) {
     try {
@@ -181,12 +190,7 @@ TEST_F(GpuArgs, WorkspaceTooSmallOrMissing) {
 // here) is refused by name before anything runs.
 TEST_F(GpuArgs, BackwardPresetsHaveAKernelAndPTilesAreRefusedByName) {
   for (const Recipe& r : presets()) EXPECT_EQ(gpu_supports_backward(r), has_backward(r)) << r.name;
-  const AttentionArgs f = make();
-  BackwardArgs a;
-  a.q = f.q, a.k = f.k, a.v = f.v, a.dout = f.out;
-  a.dq = contiguous_view(storage(), DType::f16, {B, H, N, D}, Device::cuda(0));
-  a.dk = contiguous_view(storage(), DType::f16, {B, H, N, D}, Device::cuda(0));
-  a.dv = contiguous_view(storage(), DType::f16, {B, H, N, D}, Device::cuda(0));
+  BackwardArgs a = make_backward();
   for (const char* name : {"sagebwd", "sagebwd_block"}) {
     a.recipe = preset(name);
     EXPECT_GT(backward_workspace_bytes(a), size_t(0)) << name;
@@ -205,6 +209,17 @@ TEST_F(GpuArgs, BackwardPresetsHaveAKernelAndPTilesAreRefusedByName) {
               std::string::npos)
         << e.what();
   }
+}
+// Deterministic mode's turn counters, after the accumulators (one memset zeroes both): an int32
+// per (batch, query head, 64-row Q tile) and per (batch, KV head, 128-key K/V tile), each array
+// 256-byte aligned. The default mode's workspace has none.
+TEST_F(GpuArgs, DeterministicBackwardAddsItsTurnCountersToTheWorkspace) {
+  BackwardArgs a = make_backward();
+  a.recipe = preset("sagebwd");
+  const size_t fast = backward_workspace_bytes(a);
+  a.deterministic = true;
+  static_assert(B * H * 4 <= 256, "one Q tile and one K/V tile per head: 256 bytes each");
+  EXPECT_EQ(backward_workspace_bytes(a), fast + 2 * 256);
 }
 #else
 TEST(GpuArgs, NeedACudaBuild) {

@@ -2,9 +2,10 @@
 // simulator (reference::simulate_backward, the bit-level contract of docs/numerics.md, "The
 // backward") and against float64 gradients (reference::exact_backward), on fixed shapes and on
 // 300 randomized seeded cases (shapes, odd and tiny lengths, causal, GQA/MQA, fp16/bf16, HND and
-// NHD, strided views, distributions, dS per token or per tile). Both dS granularities have a
-// kernel each: sagebwd (per token) and sagebwd_block (per tile) run every fixed case. Skipped,
-// visibly, without an sm_90 GPU.
+// NHD, strided views, distributions, dS per token or per tile, a quarter in deterministic mode).
+// Both dS granularities have a kernel each: sagebwd (per token) and sagebwd_block (per tile) run
+// every fixed case. Deterministic mode also repeats its bits call after call. Skipped, visibly,
+// without an sm_90 GPU.
 //
 // Bounds (docs/numerics.md, "GPU against the simulator (backward)": the kernel differs from the
 // simulator only in the order of float additions, fp32 sums of its 16-bit MMA where the contract
@@ -50,16 +51,17 @@ struct BwdCase {
   // The training step's path: attention_for_training (out, lse and L2), then the backward with
   // BackwardArgs::lse2, which does not re-run the forward. Needs with_out_lse.
   bool saved_forward = false;
+  bool deterministic = false;  // BackwardArgs::deterministic
   std::string distribution = "normal";
   uint64_t seed = 0;
   std::string describe() const {
     char buf[256];
-    std::snprintf(buf, sizeof buf, "%s b%lld hq%lld hkv%lld nq%lld nkv%lld d%lld %s %s %s%s%s %s seed %llu",
+    std::snprintf(buf, sizeof buf, "%s b%lld hq%lld hkv%lld nq%lld nkv%lld d%lld %s %s %s%s%s%s %s seed %llu",
                   recipe.c_str(), (long long)batch, (long long)heads_q, (long long)heads_kv, (long long)n_q,
                   (long long)n_kv, (long long)head_dim, causal ? "causal" : "full",
                   dtype == DType::bf16 ? "bf16" : "f16", layout == Layout::HND ? "HND" : "NHD",
                   strided ? " strided" : "", with_out_lse ? (saved_forward ? " saved-fwd" : "") : " no-out",
-                  distribution.c_str(),
+                  deterministic ? " deterministic" : "", distribution.c_str(),
                   (unsigned long long)seed);
     return buf;
   }
@@ -248,6 +250,7 @@ Kernel run_kernel(const BwdCase& c, Inputs& x) {
   a.layout = c.layout;
   a.causal = c.causal;
   a.recipe = preset(c.recipe);
+  a.deterministic = c.deterministic;
   float* lse2_d = nullptr;
   if (c.saved_forward) {
     check(cudaMalloc(&lse2_d, lse_n * 4), "cudaMalloc lse2");
@@ -408,6 +411,58 @@ TEST(Sm90Backward, FixedShapesDsPerTileMatchTheSimulatorAndExactGradients) {
   run_fixed("sagebwd_block");
 }
 
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// Deterministic mode: the bounds of expect_case, the same bits on every call, and against the
+// default mode the same additions in another order: dK and dV without GQA (one addition per
+// element either way) bit for bit, dQ within a rounding of each fp32 sum.
+void expect_deterministic(BwdCase c) {
+  c.deterministic = true;
+  expect_case(c);
+  SCOPED_TRACE(c.describe());
+  Inputs x = make_inputs(c);
+  const Kernel first = run_kernel(c, x);
+  for (int call = 2; call <= 4; ++call) {
+    const Kernel again = run_kernel(c, x);
+    EXPECT_TRUE(same_bits(again.dq, first.dq)) << "dq differs on call " << call;
+    EXPECT_TRUE(same_bits(again.dk, first.dk)) << "dk differs on call " << call;
+    EXPECT_TRUE(same_bits(again.dv, first.dv)) << "dv differs on call " << call;
+  }
+  BwdCase fast = c;
+  fast.deterministic = false;
+  const Kernel k = run_kernel(fast, x);
+  if (c.heads_q == c.heads_kv) {
+    EXPECT_TRUE(same_bits(k.dk, first.dk)) << "dk: the default mode's bits";
+    EXPECT_TRUE(same_bits(k.dv, first.dv)) << "dv: the default mode's bits";
+  }
+  const int64_t n = int64_t(first.dq.size());
+  EXPECT_GE(reference::compare(first.dq.data(), k.dq.data(), n).cosine, 0.999999) << "dq against the default mode";
+}
+
+// Many K/V tiles add into each Q tile's dQ (n_kv = 1024: 8 of them; 16 Q tiles per K/V tile), so
+// their order shows; GQA's group of 4 adds into each dK and dV.
+TEST(Sm90Backward, DeterministicModeRepeatsItsBits) {
+  SAGE_REQUIRE_GPU();
+  for (int64_t d : {64, 128})
+    for (bool causal : {false, true})
+      for (int64_t group : {1, 4}) {
+        BwdCase c;
+        c.head_dim = d, c.causal = causal, c.n_q = 1024, c.n_kv = 1024;
+        c.heads_kv = group == 1 ? 2 : 1, c.heads_q = c.heads_kv * group;
+        c.dtype = d == 64 ? DType::f16 : DType::bf16;
+        expect_deterministic(c);
+      }
+  // Causal with n_q < n_kv (the first K/V tiles all start at Q tile 0) and n_q > n_kv (rows that
+  // see no key), partial tiles, GQA, dS per tile, NHD and the saved forward.
+  BwdCase c;
+  c.n_q = 700, c.n_kv = 1088, c.causal = true, c.heads_q = 4, c.heads_kv = 2, c.recipe = "sagebwd_block";
+  expect_deterministic(c);
+  c.n_q = 1088, c.n_kv = 700, c.layout = Layout::NHD, c.saved_forward = true;
+  expect_deterministic(c);
+}
+
 // Every synthetic distribution at one shape (K bias exercises K smoothing's invariance), with
 // dS per token and per tile.
 TEST(Sm90Backward, Distributions) {
@@ -444,6 +499,7 @@ BwdCase random_case(uint64_t seed) {
   c.strided = rng.uniform() < 0.4;
   c.with_out_lse = rng.uniform() < 0.7;
   c.saved_forward = c.with_out_lse && seed % 3 == 1;  // not from rng: the other draws stay
+  c.deterministic = seed % 4 == 2;
   const std::vector<std::string>& dists = reference::synthetic_distributions();
   c.distribution = rng.uniform() < 0.6 ? "normal" : dists[size_t(rng.uniform() * dists.size()) % dists.size()];
   c.recipe = rng.uniform() < 0.5 ? "sagebwd" : "sagebwd_block";  // drawn last: the draws above stay

@@ -42,13 +42,14 @@ def test_binding_backward_entry_points():
                          recipe="sagebwd,pv_accum=fp64")
     with pytest.raises(TypeError):  # the options are keyword-only
         C.attention_backward(*args, None, None, "HND")
-    if sagekit.cuda_built:
-        # Host arrays reach the library's checks, which want device memory.
-        check_argument_error("q", C.backward_workspace_bytes, *args)
-        check_argument_error("q", C.attention_backward, *args)
-    else:
-        check_argument_error("device", C.backward_workspace_bytes, *args)
-        check_argument_error("device", C.attention_backward, *args)
+    # Host arrays reach the library's checks, which want device memory (a CPU build: no kernels),
+    # with or without the deterministic keyword.
+    where = "q" if sagekit.cuda_built else "device"
+    for entry in (C.backward_workspace_bytes, C.attention_backward):
+        check_argument_error(where, entry, *args)
+        check_argument_error(where, entry, *args, deterministic=True)
+    with pytest.raises(TypeError):  # a bool, not a truthy value
+        C.attention_backward(*args, deterministic="yes")
     assert C.has_backward("sagebwd") and C.has_backward("sagebwd,dp_format=int8")
     assert not C.has_backward("sage2_8b") and not C.has_backward("int_flash")
     for name in ("sagebwd", "sagebwd_block"):  # dS per token, dS per tile: a kernel each
@@ -232,25 +233,46 @@ def test_training_forward_body_reaches_the_binding_with_its_keywords(monkeypatch
 
 
 @needs_torch
-def test_backward_follows_torch_deterministic_algorithms():
-    # fp32 atomics: not bit-deterministic, so torch's switch refuses it (or warns).
+def test_backward_follows_torch_deterministic_algorithms(monkeypatch):
+    # The op's body up to the binding (stubbed): its deterministic argument reaches the library,
+    # and torch's switch turns the deterministic mode on for a direct call of the op too
+    # (warn_only included: the deterministic backward exists, so nothing warns or raises).
+    import contextlib
+    import warnings
+
     from sagekit import ops
 
+    asked = []
+
+    class Binding:
+        cuda_built = True
+
+        @staticmethod
+        def has_backward(recipe):
+            return True
+
+        @staticmethod
+        def attention_backward(*args, **kwargs):
+            asked.append(kwargs["deterministic"])
+
+    monkeypatch.setattr(ops, "_C", Binding)
+    monkeypatch.setattr(ops, "_require_cuda_build", lambda: None)
+    monkeypatch.setattr(ops, "_on_device", lambda device: contextlib.nullcontext(0))
+    monkeypatch.setattr(ops, "_allocate", lambda device: None)
     q = torch.randn(1, 2, 64, 64, dtype=torch.float16)
-    args = (q, q, q, q, "HND", False, -1, -1, None, "sagebwd")
+    args = (q, q, q, q, "HND", False, -1, -1, None, "sagebwd", None, None)
     before = (torch.are_deterministic_algorithms_enabled(),
               torch.is_deterministic_algorithms_warn_only_enabled())
     try:
-        torch.use_deterministic_algorithms(True)
-        with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
-            ops._attention_backward_body(*args)
-        if not sagekit.cuda_built:  # past the warning, a CPU build says it has no kernels
-            torch.use_deterministic_algorithms(True, warn_only=True)
-            with pytest.warns(UserWarning, match="deterministic"):
-                with pytest.raises(RuntimeError, match="no GPU kernels"):
-                    ops._attention_backward_body(*args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for switch, warn_only, argument in ((False, False, False), (False, False, True),
+                                                (True, False, False), (True, True, False)):
+                torch.use_deterministic_algorithms(switch, warn_only=warn_only)
+                ops._attention_backward_body(*args, argument)
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    assert asked == [False, True, True, True]
 
 
 # ---- the autograd wiring, traced on meta tensors (torch; no GPU) ----------------------------
@@ -398,12 +420,23 @@ def test_training_step_traces_as_one_graph_each_way(saved, entry):
     assert targets("backward").count("sagekit.attention_backward") == 1, targets("backward")
     (node,) = [n for n in graphs["backward"].graph.nodes
                if str(n.target) == "sagekit.attention_backward.default"]
-    given = [a for a in node.args[10:] + tuple(node.kwargs.values()) if a is not None]
-    assert len(given) == (2 if trainable and saved else 0), node.format_node()  # out, lse2
+    named = dict(zip(("out", "lse2", "deterministic"), node.args[10:]), **node.kwargs)
+    given = [named[name] for name in ("out", "lse2") if named.get(name) is not None]
+    assert len(given) == (2 if trainable and saved else 0), node.format_node()
+    assert named.get("deterministic", False) is False, node.format_node()  # torch's switch is off
     torch._dynamo.reset()
 
 
 # ---- the autograd formula on CPU values (torch; no GPU) ------------------------------------
+
+class _Calls(list):
+    """The backward's calls' paths ("saved" or "rerun"), and in .deterministic each call's
+    deterministic argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.deterministic = []
+
 
 @pytest.fixture
 def simulator_kernels():
@@ -413,10 +446,11 @@ def simulator_kernels():
     The training forward's L2 is a stand-in (the natural-log LSE in base 2: only the GPU
     kernel computes the real one, and the simulator's backward does not read it); the
     backward checks that it receives exactly the saved out and L2, and records each call's
-    path in the yielded list ("saved" or "rerun")."""
+    path in the yielded list ("saved" or "rerun") and its deterministic argument in the list's
+    .deterministic."""
     from sagekit import ops
 
-    paths = []
+    paths = _Calls()
 
     def simulated(q, k, v, layout, is_causal, wl, wr, scale, recipe):
         out, lse = sagekit.simulate(q, k, v, recipe=recipe, is_causal=is_causal, scale=scale,
@@ -433,8 +467,10 @@ def simulator_kernels():
         l2 = lse * math.log2(math.e) if saved else lse.new_empty((0,))
         return out, lse if return_lse else lse.new_empty((0,)), l2
 
-    def backward(q, k, v, dout, layout, is_causal, wl, wr, scale, recipe, out=None, lse2=None):
+    def backward(q, k, v, dout, layout, is_causal, wl, wr, scale, recipe, out=None, lse2=None,
+                 deterministic=False):
         causal = ops.check_backward_options(wl, wr, is_causal, recipe)
+        paths.deterministic.append(deterministic)
         if lse2 is not None:
             # The saved forward's, untouched: the forward's output and L2 of these inputs.
             want, lse = simulated(q, k, v, layout, causal, -1, -1, scale, recipe)
@@ -486,6 +522,35 @@ def test_autograd_formula_gives_the_simulators_gradients(simulator_kernels, save
         assert t.grad.dtype == torch.bfloat16
         torch.testing.assert_close(t.grad, w.to(torch.bfloat16), atol=0, rtol=0)
     torch._dynamo.reset()
+
+
+@needs_torch
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("switch", [False, True])
+def test_autograd_formulas_pass_torchs_deterministic_switch(simulator_kernels, saved, compiled,
+                                                           switch):
+    # Both formulas (the saved forward's and the re-running op's) give the backward op
+    # torch.are_deterministic_algorithms_enabled() as its deterministic argument, eager and
+    # compiled (where the backward graph holds it as a constant).
+    from sagekit import ops
+
+    torch._dynamo.reset()
+    q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16, requires_grad=True)
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        torch.use_deterministic_algorithms(switch)
+        for entry in ("call_attention", "call_attention_trainable"):
+            def f(q):
+                return getattr(ops, entry)(q, q, q, "HND", True, -1, -1, None, "sagebwd", False,
+                                           None, None, None, None)[0]
+
+            out = (torch.compile(f, backend="aot_eager", fullgraph=True) if compiled else f)(q)
+            out.float().sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch._dynamo.reset()
+    assert simulator_kernels.deterministic == [switch, switch]
 
 
 @needs_torch
@@ -818,6 +883,32 @@ def test_saved_forward_gives_the_rerun_paths_bits(dtype, causal, layout):
                         torch.testing.assert_close(a, b, rtol=2 * eps,
                                                    atol=1e-3 * b.abs().max().item(), msg=str(case))
                 torch.testing.assert_close(out, ref_out, atol=0, rtol=0)  # out was only read
+
+
+@needs_gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_algorithms_give_the_same_gradient_bits(causal):
+    # torch.use_deterministic_algorithms(True) runs the backward's deterministic mode: two
+    # backward passes give every bit alike, dq summed over 8 K/V tiles and dk, dv over a GQA
+    # group of 4, and the gradients still meet the simulator's and float64's bounds.
+    d = 128 if 128 in sagekit.gpu_head_dims() else 64
+    q, k, v = _qkv(hq=8, hkv=2, nq=1024, nkv=1024, d=d, seed=21)
+    do = torch.randn_like(q)
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    runs = []
+    try:
+        torch.use_deterministic_algorithms(True)
+        for _ in range(2):
+            sagekit.sageattn(q, k, v, is_causal=causal, recipe="sagebwd").backward(do)
+            runs.append(_grads(q, k, v))
+            for t in (q, k, v):
+                t.grad = None
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    for name, a, b in zip(("dq", "dk", "dv"), *runs):
+        assert torch.equal(_bits(a), _bits(b)), name
+    _check_against_references(runs[0], q, k, v, do, causal, "HND")
 
 
 @needs_gpu

@@ -7,12 +7,14 @@
 //   recompute.cuh    S^T and dP^T (wgmma), P and dS (steps 3-5)
 //   quantize.cuh     P and dS to INT8 in registers and the dS tile (steps 6-7)
 //   accumulate.cuh   dV and dK in registers, dQ through fp32 atomics (step 8)
+//   order.cuh        deterministic mode: the atomics' order fixed by turn counters
 //
 // One CTA per (128-key K/V tile, query head), looping over the 64-row Q tiles in increasing
 // order (step 1). Warpgroup 0 produces; warpgroups 1 and 2 own 64 keys each. At the end dK *
 // sm_scale and dV go into the KV head's fp32 accumulators, summed over the group's query heads
 // by atomics (GQA; finalize.cuh converts). G, dS's scales (kernel_traits.h, DsGranularity),
-// is a template parameter: one instantiation each.
+// is a template parameter: one instantiation each; deterministic mode is a runtime flag (the
+// turns cost a few scalar registers, not a second set of instantiations).
 #pragma once
 
 #include <cstdint>
@@ -21,6 +23,7 @@
 #include "numerics/quant_rules.h"
 #include "sm90/bwd/accumulate.cuh"
 #include "sm90/bwd/kernel_traits.h"
+#include "sm90/bwd/order.cuh"
 #include "sm90/bwd/params.h"
 #include "sm90/bwd/producer.cuh"
 #include "sm90/bwd/quantize.cuh"
@@ -41,6 +44,23 @@ __device__ __forceinline__ void build_kt(const Smem<D>& s, int ct) {
     kt8[swizzled_offset(ch, kp, 128)] = k8[swizzled_offset(kp_key(kp), ch, D)];
   }
   fence_proxy_async();
+}
+
+// Step 9 for dK (per query head, as the simulator scales before the group's sum) and step 10's
+// sum over the group.
+template <int D>
+__device__ __forceinline__ void add_dk_dv(const BackwardParams& p, const ConsumerThread& th, int64_t kvh,
+                                          int key0, const float (&dk)[kGradAcc<D>],
+                                          const float (&dv)[kGradAcc<D>]) {
+#pragma unroll
+  for (int x = 0; x < kGradAcc<D>; x += 2) {
+    const int key = key0 + 16 * th.w + th.g + ((x % 4) >= 2 ? 8 : 0);
+    const int ch = 64 * (x / 32) + 8 * ((x % 32) / 4) + 2 * th.t;
+    if (key >= p.n_kv) continue;
+    const int64_t at = (kvh * p.n_kv + key) * D + ch;
+    atomic_add2(p.dk_acc + at, __fmul_rn(dk[x], p.sm_scale), __fmul_rn(dk[x + 1], p.sm_scale));
+    atomic_add2(p.dv_acc + at, dv[x], dv[x + 1]);
+  }
 }
 
 template <int D, class T, DsGranularity G>
@@ -91,24 +111,27 @@ __device__ __forceinline__ void run_consumers(const BackwardParams& p, const Sme
     // __syncwarp, racecheck still sees the producer's next bulk load of the stage race the
     // other lanes' reads.
     mbar_arrive(s.empty(st));
-    // Every warp's dS codes (and, the first time, K'^T) are in shared memory.
+    // Every warp's dS codes (and, the first time, K'^T) are in shared memory; in deterministic
+    // mode the barrier also holds every consumer until this CTA's turn at the tile's dQ.
+    if (p.deterministic && ct == 0) wait_turn(dq_turn_counter(p, bh, tile), dq_turn_of(p, tile, kv_tile));
     named_barrier_sync(kDsStored, 128 * kConsumers);
     float dq_scale[2];
     dq_row_scales<G>(s, th, fill & 1, ds_scale[0], k_scale, dq_scale);
     accumulate_dq<D>(s, th, dq_scale, p.dq_acc + (bh * p.n_q + i0) * D, rows);
+    if (p.deterministic) pass_turn(dq_turn_counter(p, bh, tile), ct);
   }
-  if (tiles.begin >= tiles.end) return;  // nothing added: the accumulators stay zero
-  // Step 9 for dK (per query head, as the simulator scales before the group's sum) and step
-  // 10's sum over the group.
-#pragma unroll
-  for (int x = 0; x < kGradAcc<D>; x += 2) {
-    const int key = key0 + 16 * th.w + th.g + ((x % 4) >= 2 ? 8 : 0);
-    const int ch = 64 * (x / 32) + 8 * ((x % 32) / 4) + 2 * th.t;
-    if (key >= p.n_kv) continue;
-    const int64_t at = (kvh * p.n_kv + key) * D + ch;
-    atomic_add2(p.dk_acc + at, __fmul_rn(dk[x], p.sm_scale), __fmul_rn(dk[x + 1], p.sm_scale));
-    atomic_add2(p.dv_acc + at, dv[x], dv[x + 1]);
+  // Nothing added: the accumulators stay zero. The Q tiles depend on the K/V tile alone, so
+  // the group's other query heads return here too and none waits for this CTA's turn.
+  if (tiles.begin >= tiles.end) return;
+  // Under GQA in deterministic mode, the group's query heads add dK and dV in increasing order.
+  const int group = p.heads_q / p.heads_kv;
+  const bool ordered = p.deterministic && group > 1;
+  if (ordered) {
+    if (ct == 0) wait_turn(dkv_turn_counter(p, kvh, kv_tile), h % group);
+    named_barrier_sync(kTurn, 128 * kConsumers);
   }
+  add_dk_dv<D>(p, th, kvh, key0, dk, dv);
+  if (ordered) pass_turn(dkv_turn_counter(p, kvh, kv_tile), ct);
 }
 
 template <int D, class T, DsGranularity G>
@@ -117,7 +140,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Aligned to 1024 bytes (the swizzled tiles' repeat; the launch adds the slack).
   extern __shared__ uint8_t smem_raw[];
   const Smem<D> s(reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023)));
-  const int kv_tile = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int kv_tile = kv_tile_of_this_block(p), h = blockIdx.y, b = blockIdx.z;
   const int hk = h / (p.heads_q / p.heads_kv);
   const int j0 = kv_tile * kBlockKV;
   if (threadIdx.x == 0) {

@@ -56,6 +56,34 @@ constexpr bool tiles_match_the_contract(int d) {
 // each has its instantiations (bwd/instantiate.cmake).
 enum class DsGranularity : int { per_block, per_token };
 
+// The first Q tile the CTA of the K/V tile at key j0 (< n_kv) runs: 0, or under the bottom-right
+// causal mask the first whose last row sees a key of the tile (row i sees keys below
+// i + n_kv - n_q + 1). It runs every tile from there to the last.
+constexpr int first_q_tile(int j0, int n_q, int n_kv, bool causal) {
+  const int first_row_seeing_j0 = j0 + n_q - n_kv;
+  return causal && first_row_seeing_j0 > 0 ? first_row_seeing_j0 / kBlockQ : 0;
+}
+
+// The K/V tiles that add into Q tile t's dQ are 0 .. last_kv_tile(t): first_q_tile never
+// decreases with the K/V tile, so they are a prefix. kv_tiles: the grid's K/V tiles (each with
+// j0 < n_kv). Only meaningful for a t that some K/V tile runs (t >= first_q_tile(0, ...)).
+constexpr int last_kv_tile(int t, int n_q, int n_kv, int kv_tiles, bool causal) {
+  if (!causal) return kv_tiles - 1;
+  // The largest j with first_q_tile(kBlockKV j) <= t: kBlockKV j + n_q - n_kv < kBlockQ (t + 1).
+  const int last = (kBlockQ * (t + 1) + n_kv - n_q - 1) / kBlockKV;
+  return last < kv_tiles - 1 ? last : kv_tiles - 1;
+}
+
+// Deterministic mode's order (order.cuh): the grid's blockIdx.x runs the K/V tiles in
+// decreasing order, and K/V tile j adds its dQ of Q tile t at turn dq_turn (0 first): the K/V
+// tiles that add there, highest first.
+constexpr int kv_tile_of_block(int block_x, int kv_tiles, bool deterministic) {
+  return deterministic ? kv_tiles - 1 - block_x : block_x;
+}
+constexpr int dq_turn(int t, int kv_tile, int n_q, int n_kv, int kv_tiles, bool causal) {
+  return last_kv_tile(t, n_q, n_kv, kv_tiles, causal) - kv_tile;
+}
+
 // Whether the backward has a kernel at a head dim: 64 and 128 (K' rows of exactly D bytes in
 // the forward's workspace, quant/kv_layout.h; dK and dV in registers). Others are refused by
 // name (api/backward.cu).

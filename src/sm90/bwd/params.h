@@ -48,9 +48,14 @@ struct BackwardParams {
   float* dq_acc;
   float* dk_acc;
   float* dv_acc;
+  // Deterministic mode (order.cuh), else null: int32 turn counters zeroed with the accumulators,
+  // dq_turn [bh, n_q_pad / kBlockQ] per Q tile, dkv_turn [kvh, n_pad / kBlockKV] per K/V tile.
+  int* dq_turn;
+  int* dkv_turn;
   int batch, heads_q, heads_kv, n_q, n_kv, n_pad, n_q_pad;
   int fwd_block_q;  // rows of one forward Q scale group (tile_config(D).block_q)
   bool causal;      // bottom-right
+  bool deterministic;  // BackwardArgs::deterministic: the atomics in a fixed order (order.cuh)
   float sm_scale, sm_scale_log2;
 };
 

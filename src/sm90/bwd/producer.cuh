@@ -13,13 +13,13 @@
 namespace sage::sm90::bwd {
 
 // The Q tiles a CTA runs: all of them, or under the bottom-right causal mask those whose last
-// row sees a key of the tile (row i sees keys below i + n_kv - n_q + 1; j0 < n_kv).
+// row sees a key of the tile (first_q_tile, kernel_traits.h; j0 < n_kv).
 struct QTiles {
   int begin, end;
 };
 __device__ __forceinline__ QTiles q_tiles(const BackwardParams& p, int j0) {
   const int end = (p.n_q + kBlockQ - 1) / kBlockQ;
-  const int begin = p.causal ? max(0, j0 + p.n_q - p.n_kv) / kBlockQ : 0;
+  const int begin = first_q_tile(j0, p.n_q, p.n_kv, p.causal);
   return {min(begin, end), end};
 }
 

@@ -11,7 +11,8 @@
 namespace sage::sm90::bwd {
 
 // Named barriers (0 is __syncthreads): among the 256 consumer threads.
-enum BwdBarrier : int { kDsAmax = 1, kDsStored = 2 };
+// kTurn: deterministic mode's turn taking (order.cuh).
+enum BwdBarrier : int { kDsAmax = 1, kDsStored = 2, kTurn = 3 };
 
 template <int D>
 struct Smem {
