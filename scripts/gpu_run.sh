@@ -18,12 +18,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv |
 BUILD=build-gpu-run
 if has build; then
   log build
-  # TARGETS (e.g. sage_cli) limits what is built; CUDA_FLAGS adds nvcc flags (e.g. -lineinfo).
+  # TARGETS (e.g. sage_cli) limits what is built; CUDA_FLAGS adds nvcc flags (e.g. -lineinfo);
+  # SAGE_HEAD_DIMS (e.g. "64;128") limits the kernels' head dims (the python stage follows it).
   # The Python extension is configured here too (the python stage builds its wheel in this
   # folder, so the kernels are compiled once), for the interpreter that pip uses. Tests and
   # CLI are named: a python stage run alone first leaves them off in the folder's cache.
   cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAGE_GTEST_SOURCE_DIR=$PWD/.deps/googletest \
-    -DCMAKE_CUDA_FLAGS="${CUDA_FLAGS:-}" -DSAGE_BUILD_TESTS=ON -DSAGE_BUILD_CLI=ON -DSAGE_BUILD_PYTHON=ON \
+    -DCMAKE_CUDA_FLAGS="${CUDA_FLAGS:-}" ${SAGE_HEAD_DIMS:+"-DSAGE_HEAD_DIMS=$SAGE_HEAD_DIMS"} -DSAGE_BUILD_TESTS=ON -DSAGE_BUILD_CLI=ON -DSAGE_BUILD_PYTHON=ON \
     -DPython_EXECUTABLE="$(python3 -c 'import sys; print(sys.executable)')" > "$OUT/build.log" 2>&1 &&
     ninja -C $BUILD -j${JOBS:-16} ${TARGETS:-} >> "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
   tail -2 "$OUT/build.log"
