@@ -72,7 +72,6 @@ __device__ __forceinline__ void pack_a(uint32_t (&a)[2][4], const float (&v)[kTi
 // Codes (a) and scales per key row (scale[r], r = 0: key g, 1: key g + 8) of a tile's values
 // in the accumulator layout, one group per key: P for dV, and dS for dK per token.
 __device__ __forceinline__ void quantize_per_key(const float (&v)[kTileAcc], uint32_t (&a)[2][4], float (&scale)[2]) {
-  const float fq = float(rules::kInt8Max);
   float amax[2] = {0.f, 0.f};
 #pragma unroll
   for (int x = 0; x < kTileAcc; ++x) amax[(x % 4) / 2] = fmaxf(amax[(x % 4) / 2], fabsf(v[x]));
@@ -81,7 +80,7 @@ __device__ __forceinline__ void quantize_per_key(const float (&v)[kTileAcc], uin
   for (int r = 0; r < 2; ++r) {
     amax[r] = frag::quad_max(amax[r]);
     inv[r] = inverse_127(amax[r]);
-    scale[r] = rules::symmetric_scale(amax[r], fq);
+    scale[r] = rules::symmetric_scale(amax[r], float(rules::kInt8Max));
   }
   pack_a(a, v, inv);
 }
@@ -177,10 +176,14 @@ __device__ __forceinline__ void quantize_ds_per_token(const Smem<D>& s, const Co
   // Also orders this tile's dS stores after the other warpgroup's dQ MMA of the last tile.
   named_barrier_sync(kDsAmax, 128 * kConsumers);
   if (th.c == 0 && th.w < 2) s.red(parity ^ 1)[32 * th.w + th.lane] = 0.f;
-  const float* amax = s.red(parity);
+  // The 8 lanes of a t need the same 16 rows' inverses (rows 8j + 2t, + 1 for j = 0 .. 7):
+  // lane (g, t) takes rows 8g + 2t and + 1 and the others fetch them by shuffle, 2 inverses a
+  // thread instead of 16.
+  const float2 a = *reinterpret_cast<const float2*>(s.red(parity) + 8 * th.g + 2 * th.t);
+  const float inv_even = inverse_127(a.x), inv_odd = inverse_127(a.y);
   store_ds_tile(s, th, ds, [&](int j) {
-    const float2 a = *reinterpret_cast<const float2*>(amax + 8 * j + 2 * th.t);
-    return make_float2(inverse_127(a.x), inverse_127(a.y));
+    return make_float2(__shfl_sync(0xffffffffu, inv_even, 4 * j + th.t),
+                       __shfl_sync(0xffffffffu, inv_odd, 4 * j + th.t));
   });
 }
 

@@ -89,6 +89,19 @@ __device__ __forceinline__ void recompute_p(const Smem<D>& s, const ConsumerThre
   // mask, and k < n_kv.
   const int key_w = key0 + 16 * th.w + th.g;
   const int diag = causal ? n_kv - n_q + 1 : n_kv + kBlockQ;  // k - i below this is seen
+  // Where the warpgroup's 64 keys are all below n_kv and the tile's first row sees its last
+  // key, only the rows without keys are unseen (L2 = -inf, as the pre-pass also pads the rows
+  // past n_q): an L2 of +inf in their place makes exp2 0 with the same per-score instructions
+  // as the seen ones, and the per-score mask tests go (the same values either way).
+  if (key0 + kKeysPerWarpgroup <= n_kv && key0 + kKeysPerWarpgroup - 1 - i0 < diag) {
+#pragma unroll
+    for (int x = 0; x < kTileAcc; ++x) {
+      const float row_l2 = l2[8 * (x / 4) + 2 * th.t + (x & 1)];
+      const float l2_or_inf = row_l2 == -INFINITY ? INFINITY : row_l2;
+      pv[x] = exp2f(__fmaf_rn(small_int_to_float(sacc[x]), mult, -l2_or_inf));
+    }
+    return;
+  }
 #pragma unroll
   for (int x = 0; x < kTileAcc; ++x) {
     const int e = x % 4;
