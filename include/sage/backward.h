@@ -78,7 +78,8 @@ Problem check_backward_args(const BackwardArgs& args, DeviceKind device);
 // one head's K/V tiles advance as a wavefront, the r-th in the order starting r Q-tile steps
 // late (with all of a head's K/V tiles running at once at one pace, about n_kv / (4 n_q) of
 // their busy time spent waiting). Under GQA a CTA adds dK and dV only after the previous query
-// head's CTA of its K/V tile has (once, at the kernel's end). The workspace grows by an int32
+// head's CTA of its K/V tile has (once, at the kernel's end). Measured on an H100: 5-12% of
+// the backward (docs/performance.md, "Training"). The workspace grows by an int32
 // counter per (batch, query head, 64-row Q tile) and per (batch, KV head, 128-key K/V tile).
 size_t backward_workspace_bytes(const BackwardArgs& args);
 void attention_backward(const BackwardArgs& args, void* workspace, size_t workspace_size,
