@@ -39,8 +39,8 @@ __device__ __forceinline__ void run_producer(const BackwardMaps& maps, const Bac
   for (int tile = tiles.begin; tile < tiles.end; ++tile, ++fill) {
     const int st = fill % kStages;
     // Sleeping, not spinning: the stage comes free a whole Q tile's work later, and a spinning
-    // try_wait took a tenth of the kernel's issued instructions from its scheduler's consumer
-    // warps (Nsight Compute, d = 128 and 64, N = 4K).
+    // try_wait takes issue slots from the consumer warps on its scheduler (docs/design.md,
+    // "The backward kernel", the profile).
     mbar_wait_sleeping(s.empty(st), ((fill / kStages) & 1) ^ 1);
     uint64_t* bar = s.full(st);
     mbar_expect_tx(bar, stage_tx_bytes(D));
