@@ -144,7 +144,7 @@ Checked check_gpu_backward(const BackwardArgs& a) {
   w.q_scale = take(bh * tiles * 4);
   w.do8t = take(bh * nqp * d);
   w.do_scale = take(bh * tiles * 4);
-  w.dq_acc = take(bh * nq * d * 4);
+  w.dq_acc = take(bh * nqp * d * 4);  // tile-major (kernel_traits.h, dq_fragment_index)
   w.dk_acc = take(kvh * nkv * d * 4);
   w.dv_acc = take(kvh * nkv * d * 4);
   // After the accumulators: the memset that zeroes them zeroes the counters too.

@@ -542,6 +542,34 @@ TEST(BackwardTiles, NestInTheForwardsScaleGroups) {
 // The sm_90 kernel's Q tiles per K/V tile (sm90/bwd/kernel_traits.h): the CTA of K/V tile j runs
 // exactly the Q tiles with a row that sees a key of tile j, and the K/V tiles that add into a
 // Q tile's dQ are 0 .. last_kv_tile (deterministic mode's turns are positions in that prefix).
+// dQ's tile-major accumulator order (kernel_traits.h): a bijection of a tile's rows x channels
+// onto [0, kBlockQ * D), in which the thread holding a value (the wgmma accumulator layout)
+// stores its group of four at one 16-byte slot, a warp's 32 slots contiguous.
+TEST(BackwardTiles, DqFragmentIndexIsTheAccumulatorLayoutAndABijection) {
+  using sm90::bwd::dq_fragment_index;
+  using sm90::bwd::kBlockQ;
+  for (int d : {64, 128}) {
+    SCOPED_TRACE(d);
+    std::vector<int> hits(size_t(kBlockQ) * d, 0);
+    for (int row = 0; row < kBlockQ; ++row)
+      for (int ch = 0; ch < d; ++ch) {
+        const int at = dq_fragment_index(row, ch, d);
+        ASSERT_GE(at, 0);
+        ASSERT_LT(at, kBlockQ * d);
+        ++hits[size_t(at)];
+      }
+    for (int h : hits) ASSERT_EQ(h, 1);
+    // The writer's side (accumulate.cuh): thread ct's value x at (x / 4) * 1024 + 4 ct + x % 4.
+    for (int ct = 0; ct < 256; ++ct)
+      for (int x = 0; x < d / 4; ++x) {
+        const int c = ct / 128, w = (ct / 32) % 4, lane = ct % 32, g = lane / 4, t = lane % 4;
+        const int row = 16 * w + g + (x % 4 >= 2 ? 8 : 0);
+        const int ch = c * d / 2 + 8 * (x / 4) + 2 * t + (x & 1);
+        ASSERT_EQ(dq_fragment_index(row, ch, d), (x / 4) * 1024 + 4 * ct + x % 4) << ct << " " << x;
+      }
+  }
+}
+
 TEST(BackwardTiles, KernelQTilesAreTheMasksAndTheirKvTilesAPrefix) {
   using sm90::bwd::kBlockKV;
   using sm90::bwd::kBlockQ;

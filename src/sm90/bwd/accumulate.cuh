@@ -2,8 +2,8 @@
 // s32 product scaled and added once (the contract's per-tile fmaf):
 //   dV[key] = fmaf(float(sum_rows c(P) c(dO)), s_P,key * s_dO, dV)   (registers, per warpgroup)
 //   dK[key] = fmaf(float(sum_rows c(dS) qcode), s_dS,key * q_scale, dK)   (registers)
-//   dQ[row] += float(sum_keys c(dS) kcode) * (s_dS,row * k_scale)         (fp32 atomics: the
-//              other K/V tiles' CTAs add into the same rows)
+//   dQ[row] += float(sum_keys c(dS) kcode) * (s_dS,row * k_scale)         (a bulk reduce per
+//              tile: the other K/V tiles' CTAs add into the same rows)
 // (dS per block: s_dS,key = s_dS,row = the tile's scale.)
 // dV and dK: A from registers (quantize.cuh), B = dO^T / Q^T codes of the stage; in column
 // chunks of 64 (n = 64: the s32 product of a chunk is 32 registers beside the 2 x D/2 of dV
@@ -13,6 +13,8 @@
 #include <cstdint>
 
 #include "common/ptx.cuh"
+#include "sm90/bwd/order.cuh"
+#include "sm90/bwd/params.h"
 #include "sm90/bwd/recompute.cuh"
 #include "sm90/bwd/smem.cuh"
 #include "sm90/mma/wgmma_ops.cuh"
@@ -94,11 +96,13 @@ __device__ __forceinline__ void atomic_add2(float* at, float x, float y) {
 #endif
 }
 
-// dQ of the tile into the fp32 accumulator rows of (bh, i0 ..): `rows` of them are real.
-// dq_scale[r]: s_dS * k_scale of the thread's row r (0: 16w + g, 1: + 8; dq_row_scales).
+// dQ of the tile into the shared-memory staging tile (dq_fragment_index's order), for the
+// bulk reduce that adds it to the workspace (add_dq_tile). dq_scale[r]: s_dS * k_scale of the
+// thread's row r (0: row 16w + g, 1: + 8; dq_row_scales). The last tile's rows past n_q add
+// zeros (their dS is 0) into the workspace's padding, which the finalize does not read.
 template <int D>
 __device__ __forceinline__ void accumulate_dq(const Smem<D>& s, const ConsumerThread& th,
-                                              const float (&dq_scale)[2], float* dq_rows, int rows) {
+                                              const float (&dq_scale)[2]) {
   constexpr int kN = D / 2;
   int32_t acc[kN / 2];
   reg_fence(acc);
@@ -111,14 +115,39 @@ __device__ __forceinline__ void accumulate_dq(const Smem<D>& s, const ConsumerTh
   wgmma_commit();
   wgmma_wait<0>();
   reg_fence(acc);
+  const int ct = 128 * th.c + 32 * th.w + th.lane;
+  const uint32_t base = smem_addr(s.dq()) + 16 * ct;
 #pragma unroll
-  for (int x = 0; x < kN / 2; x += 2) {
-    const int row = 16 * th.w + th.g + ((x % 4) >= 2 ? 8 : 0);
-    const int ch = th.c * kN + 8 * (x / 4) + 2 * th.t;
-    const float scale = dq_scale[(x % 4) / 2];
-    if (row < rows && (acc[x] != 0 || acc[x + 1] != 0))
-      atomic_add2(dq_rows + (int64_t)row * D + ch, __fmul_rn(small_int_to_float(acc[x]), scale),
-                  __fmul_rn(small_int_to_float(acc[x + 1]), scale));
+  for (int j = 0; j < kN / 8; ++j) {
+    float v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = __fmul_rn(small_int_to_float(acc[4 * j + e]), dq_scale[e / 2]);
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(base + j * 16 * 128 * kConsumers),
+                 "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
+                 : "memory");
+  }
+  // The tile is read by the bulk reduce through the async proxy.
+  fence_proxy_async();
+}
+
+// One thread adds the staged dQ tile (Q tile `tile` of query head bh) to the workspace's
+// accumulator: one bulk reduce of kBlockQ * D floats. In deterministic mode it first waits
+// for the K/V tile's turn at that Q tile and passes the turn once the adds are complete
+// (order.cuh); otherwise the shared-memory tile is reused only after bulk_wait_read.
+template <int D>
+__device__ __forceinline__ void add_dq_tile(const BackwardParams& p, const Smem<D>& s, int64_t bh, int tile,
+                                            int kv_tile) {
+  float* dst = p.dq_acc + (bh * (p.n_q_pad / kBlockQ) + tile) * int64_t(kBlockQ * D);
+  if (p.deterministic) {
+    wait_turn(dq_turn_counter(p, bh, tile), dq_turn_of(p, tile, kv_tile));
+    fence_proxy_async_global();  // the earlier turns' adds before this one's
+  }
+  bulk_reduce_add_f32(dst, s.dq(), kBlockQ * D * 4);
+  bulk_commit();
+  if (p.deterministic) {
+    bulk_wait_all();
+    fence_proxy_async_global();  // this turn's adds before the increment that passes it
+    add_release(dq_turn_counter(p, bh, tile), 1);
   }
 }
 

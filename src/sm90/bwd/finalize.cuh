@@ -8,15 +8,29 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "sm90/bwd/kernel_traits.h"
+
 namespace sage::sm90::bwd {
 
 struct FinalizeView {
-  const float* acc;  // dense [batch, heads, n, D]
+  const float* acc;  // dense [batch, heads, n, D], or with dq_tiles dQ's tile-major order
   void* dst;         // the view, [b, h, n, D] through its strides
   int64_t sb, sh, sn;
   int heads, n;
   float factor;  // 1: no multiply
+  // dQ's accumulator: [batch * heads][n_pad / kBlockQ tiles][kBlockQ * D], each tile in
+  // dq_fragment_index's order (kernel_traits.h).
+  bool dq_tiles;
+  int n_pad;
 };
+
+// Where element (row i of head bh, channel c) lies in the accumulator.
+template <int D>
+__device__ __forceinline__ int64_t accumulator_index(const FinalizeView& v, int64_t bh, int i, int c) {
+  if (!v.dq_tiles) return (bh * v.n + i) * D + c;
+  const int64_t tile = bh * (v.n_pad / kBlockQ) + i / kBlockQ;
+  return tile * (kBlockQ * D) + dq_fragment_index(i % kBlockQ, c, D);
+}
 
 template <int D, class T>
 __global__ void __launch_bounds__(256) backward_finalize_kernel(const FinalizeView v, int64_t total) {
@@ -28,7 +42,7 @@ __global__ void __launch_bounds__(256) backward_finalize_kernel(const FinalizeVi
     const int64_t bh = row / v.n;
     const int h = int(bh % v.heads);
     const int64_t b = bh / v.heads;
-    float x = v.acc[e];
+    float x = v.acc[accumulator_index<D>(v, bh, i, c)];
     if (v.factor != 1.f) x = __fmul_rn(x, v.factor);
     T* dst = static_cast<T*>(v.dst) + b * v.sb + h * v.sh + i * v.sn + c;
     if constexpr (std::is_same_v<T, __half>) *dst = __float2half_rn(x);

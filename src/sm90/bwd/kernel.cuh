@@ -6,7 +6,7 @@
 //   producer.cuh     TMA: the K/V tile once, the Q tiles' operands through a ring
 //   recompute.cuh    S^T and dP^T (wgmma), P and dS (steps 3-5)
 //   quantize.cuh     P and dS to INT8 in registers and the dS tile (steps 6-7)
-//   accumulate.cuh   dV and dK in registers, dQ through fp32 atomics (step 8)
+//   accumulate.cuh   dV and dK in registers, dQ through a bulk reduce per tile (step 8)
 //   order.cuh        deterministic mode: the atomics' order fixed by turn counters
 //
 // One CTA per (128-key K/V tile, query head), looping over the 64-row Q tiles in increasing
@@ -87,7 +87,7 @@ __device__ __forceinline__ void run_consumers(const BackwardParams& p, const Sme
   int fill = 0;
   for (int tile = tiles.begin; tile < tiles.end; ++tile, ++fill) {
     const int st = fill % kStages;
-    const int i0 = tile * kBlockQ, rows = min(kBlockQ, p.n_q - i0);
+    const int i0 = tile * kBlockQ;
     const float q_scale = p.q_scale[bh * pad_tiles + tile];
     const float do_scale = p.do_scale[bh * pad_tiles + tile];
     const float mult = rules::score_multiplier(q_scale, k_scale, p.sm_scale_log2);
@@ -111,15 +111,19 @@ __device__ __forceinline__ void run_consumers(const BackwardParams& p, const Sme
     // __syncwarp, racecheck still sees the producer's next bulk load of the stage race the
     // other lanes' reads.
     mbar_arrive(s.empty(st));
-    // Every warp's dS codes (and, the first time, K'^T) are in shared memory; in deterministic
-    // mode the barrier also holds every consumer until this CTA's turn at the tile's dQ.
-    if (p.deterministic && ct == 0) wait_turn(dq_turn_counter(p, bh, tile), dq_turn_of(p, tile, kv_tile));
+    // The last tile's dQ bulk reduce has read the staging tile (its issuer waits here, so the
+    // barrier below holds every consumer until the tile may be written again).
+    if (ct == 0) bulk_wait_read();
+    // Every warp's dS codes (and, the first time, K'^T) are in shared memory.
     named_barrier_sync(kDsStored, 128 * kConsumers);
     float dq_scale[2];
     dq_row_scales<G>(s, th, fill & 1, ds_scale[0], k_scale, dq_scale);
-    accumulate_dq<D>(s, th, dq_scale, p.dq_acc + (bh * p.n_q + i0) * D, rows);
-    if (p.deterministic) pass_turn(dq_turn_counter(p, bh, tile), ct);
+    accumulate_dq<D>(s, th, dq_scale);
+    named_barrier_sync(kDqStaged, 128 * kConsumers);
+    if (ct == 0) add_dq_tile<D>(p, s, bh, tile, kv_tile);
   }
+  // The bulk reduces complete before the CTA (and its shared memory) goes.
+  if (ct == 0) bulk_wait_all();
   // Nothing added: the accumulators stay zero. The Q tiles depend on the K/V tile alone, so
   // the group's other query heads return here too and none waits for this CTA's turn.
   if (tiles.begin >= tiles.end) return;

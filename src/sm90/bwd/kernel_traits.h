@@ -106,6 +106,8 @@ struct StageLayout {
 };
 struct SmemLayout {
   int k8, kt8, v, ds8;
+  int dq;           // dQ's scaled fp32 tile [kBlockQ * D] in fragment order (dq_fragment_index),
+                    // added to the workspace by one bulk reduce per Q tile
   StageLayout stage;
   int stages;       // offset of stage 0; stage s at stages + s * stage.bytes
   int red;          // [2 parities][kBlockQ] floats: the dS tile's amax (per_block: one per
@@ -128,6 +130,7 @@ constexpr SmemLayout smem_layout(int d) {
   s.kt8 = take(d * kBlockKV);
   s.v = take(kBlockKV * d * 2);
   s.ds8 = take(kBlockQ * kBlockKV);
+  s.dq = take(kBlockQ * d * 4);
   int st = 0;
   auto take_stage = [&st](int bytes, int align) {
     st = (st + align - 1) / align * align;
@@ -150,6 +153,21 @@ constexpr SmemLayout smem_layout(int d) {
   s.total = align1k(off);
   return s;
 }
+// dQ's fp32 accumulator in the workspace is tile-major, [bh][Q tile][kBlockQ * D], each tile in
+// the order the consumer threads hold it, so that a thread's values are one 16-byte store per
+// group of four into the shared-memory staging tile (a warp's stores 512 contiguous bytes, no
+// bank conflict) and the tile goes to global memory as one contiguous bulk reduce; the
+// finalize kernel reads it through this index. Thread ct = 128 c + 32 w + 4 g + t (warpgroup c,
+// warp w, lane 4 g + t) holds dQ's accumulator value x (0 .. D/4 - 1) at row 16 w + g (+8 for
+// x % 4 >= 2) and channel c D/2 + 8 (x / 4) + 2 t + (x & 1), stored at float
+// (x / 4) * (4 * 128 * kConsumers) + 4 ct + x % 4.
+constexpr int dq_fragment_index(int row, int ch, int d) {
+  const int half = d / 2, c = ch / half, r = ch % half;
+  const int w = row / 16, g = row % 8, upper = (row % 16) / 8;
+  const int ct = 128 * c + 32 * w + 4 * g + (r % 8) / 2;
+  return (r / 8) * (4 * 128 * kConsumers) + 4 * ct + 2 * upper + (r & 1);
+}
+
 // Bytes the producer's TMA writes per Q stage and once per CTA (the barriers' transactions).
 constexpr int stage_tx_bytes(int d) { return 5 * kBlockQ * d + 2 * kBlockQ * 4; }
 constexpr int kv_tx_bytes(int d) { return 3 * kBlockKV * d; }

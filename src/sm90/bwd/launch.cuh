@@ -45,9 +45,9 @@ void launch_backward(const BackwardParams& p, cudaStream_t stream) {
     if (err != cudaSuccess) throw_cuda("backward launch", err);
   }
   const FinalizeView views[3] = {
-      {p.dq_acc, p.dq, p.dq_sb, p.dq_sh, p.dq_sn, p.heads_q, p.n_q, p.sm_scale},
-      {p.dk_acc, p.dk, p.dk_sb, p.dk_sh, p.dk_sn, p.heads_kv, p.n_kv, 1.f},
-      {p.dv_acc, p.dv, p.dv_sb, p.dv_sh, p.dv_sn, p.heads_kv, p.n_kv, 1.f}};
+      {p.dq_acc, p.dq, p.dq_sb, p.dq_sh, p.dq_sn, p.heads_q, p.n_q, p.sm_scale, true, p.n_q_pad},
+      {p.dk_acc, p.dk, p.dk_sb, p.dk_sh, p.dk_sn, p.heads_kv, p.n_kv, 1.f, false, p.n_kv},
+      {p.dv_acc, p.dv, p.dv_sb, p.dv_sh, p.dv_sn, p.heads_kv, p.n_kv, 1.f, false, p.n_kv}};
   for (const FinalizeView& v : views) {
     const int64_t total = int64_t(p.batch) * v.heads * v.n * D;
     if (total == 0) continue;

@@ -1,8 +1,9 @@
 // Deterministic mode (BackwardParams::deterministic; sage/backward.h, "Determinism"): every fp32
 // sum that several CTAs add into gets a fixed order of addition. A turn counter per sum (int32,
 // in the workspace, zeroed with the accumulators) says how many CTAs have added: a CTA waits
-// until it equals its turn, adds with the default mode's red.global.add (the order was all that
-// varied) and passes the turn by incrementing the counter.
+// until it equals its turn, adds as the default mode does (dQ: one bulk reduce of the tile,
+// accumulate.cuh, add_dq_tile; dK, dV: red.global.add; the order was all that varied) and
+// passes the turn by incrementing the counter.
 //   dQ of a Q tile: the K/V tiles that add into it are 0 .. last_kv_tile (kernel_traits.h); they
 //     add in decreasing order. Under the causal mask a higher K/V tile starts at a later Q
 //     tile, so at the same pace it reaches any Q tile before the lower ones: it goes first, and

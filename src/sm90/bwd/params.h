@@ -43,8 +43,9 @@ struct BackwardParams {
   float* q_scale;
   int8_t* do8t;
   float* do_scale;
-  // fp32 accumulators, zeroed before the kernel: dQ unscaled [bh, n_q, D]; dK (times sm_scale)
-  // and dV [kvh, n_kv, D], summed over the group's query heads.
+  // fp32 accumulators, zeroed before the kernel: dQ unscaled [bh, n_q_pad / kBlockQ tiles,
+  // kBlockQ * D], each tile in dq_fragment_index's order (kernel_traits.h); dK (times
+  // sm_scale) and dV [kvh, n_kv, D], summed over the group's query heads.
   float* dq_acc;
   float* dk_acc;
   float* dv_acc;

@@ -11,8 +11,9 @@
 namespace sage::sm90::bwd {
 
 // Named barriers (0 is __syncthreads): among the 256 consumer threads.
-// kTurn: deterministic mode's turn taking (order.cuh).
-enum BwdBarrier : int { kDsAmax = 1, kDsStored = 2, kTurn = 3 };
+// kTurn: deterministic mode's turn taking (order.cuh). kDqStaged: the dQ tile is in shared
+// memory, for the one thread that adds it to the workspace.
+enum BwdBarrier : int { kDsAmax = 1, kDsStored = 2, kTurn = 3, kDqStaged = 4 };
 
 template <int D>
 struct Smem {
@@ -25,6 +26,7 @@ struct Smem {
   __device__ __forceinline__ uint8_t* kt8() const { return base + L.kt8; }
   __device__ __forceinline__ uint8_t* v() const { return base + L.v; }
   __device__ __forceinline__ uint8_t* ds8() const { return base + L.ds8; }
+  __device__ __forceinline__ float* dq() const { return reinterpret_cast<float*>(base + L.dq); }
   __device__ __forceinline__ uint8_t* stage(int s) const { return base + L.stages + s * L.stage.bytes; }
   __device__ __forceinline__ uint8_t* q8(int s) const { return stage(s) + L.stage.q8; }
   __device__ __forceinline__ uint8_t* qt8(int s) const { return stage(s) + L.stage.qt8; }
