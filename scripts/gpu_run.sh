@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizers, Python package, benchmark.
-# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [timingmodes] [profile] [digest] [ab] [dist] [distbench] [dimbench] [varlenbench] [bwdbench] [parity] [bwdprofile]
+# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [timingmodes] [profile] [digest] [ab] [dist] [distbench] [dimbench] [varlenbench] [bwdbench] [bwdab] [parity] [bwdprofile]
 # Results land in $OUT (at most 8 files come back): logs, JSON and Markdown.
 # bench: BENCH_RUNS runs of the grid (default 3), merged into $OUT/h100.{json,md} by their
 # per-point median (bench/merge_runs.py).
@@ -247,6 +247,46 @@ fi
 if has dimbench || has varlenbench; then
   # The record of bench/results/h100_shapes.json: both grids, with kind, d_v and window.
   python3 bench/merge_shapes.py "$OUT/h100_shapes.json" "$OUT/h100_dims.json" "$OUT/h100_varlen.json"
+fi
+if has bwdab; then
+  # Same-run backward A/B against the tree in ab_old/ (e.g. `git archive main | tar -x -C
+  # ab_old`, carried): its Python extension is built beside this one and put first on
+  # PYTHONPATH, then bench_backward.py's speed grid runs old, new, old, new, so that clock drift
+  # hits both alike. Needs the python stage. NS and BWD_ARGS as for bwdbench.
+  log "backward A/B against ab_old/"
+  cmake -S ab_old -B build-ab-old-py -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAGE_BUILD_TESTS=OFF \
+    -DSAGE_BUILD_CLI=OFF -DSAGE_BUILD_PYTHON=ON ${SAGE_HEAD_DIMS:+"-DSAGE_HEAD_DIMS=$SAGE_HEAD_DIMS"} \
+    -DPython_EXECUTABLE="$(python3 -c 'import sys; print(sys.executable)')" > "$OUT/ab_build_old.log" 2>&1 &&
+    ninja -C build-ab-old-py -j${JOBS:-16} _C >> "$OUT/ab_build_old.log" 2>&1 || { tail -30 "$OUT/ab_build_old.log"; exit 1; }
+  rm -rf /tmp/sk_old && mkdir -p /tmp/sk_old && cp -r ab_old/python/sagekit /tmp/sk_old/ &&
+    cp "$(find build-ab-old-py -name '_C*.so' | head -1)" /tmp/sk_old/sagekit/
+  for round in 1 2; do
+    for side in old new; do
+      path=; [ $side = old ] && path=/tmp/sk_old
+      echo "-- $side (round $round)"
+      PYTHONPATH=$path${PYTHONPATH:+:$PYTHONPATH} python3 bench/bench_backward.py \
+        --json "build-ab-old-py/bwdab_${side}_$round.json" --ns "${NS:-1024,4096,16384}" ${BWD_ARGS:-} 2>&1 |
+        grep -vi warn | grep -E "sagekit|^ *d " | tail -40
+    done
+  done
+  python3 - build-ab-old-py <<'PY'
+import json, sys, statistics, collections
+out = sys.argv[1]
+ms = collections.defaultdict(list)
+for side in ("old", "new"):
+    for r in (1, 2):
+        for rec in json.load(open(f"{out}/bwdab_{side}_{r}.json")):
+            if rec.get("impl", "").startswith("sagekit"):
+                ms[(rec["d"], rec["causal"], rec["n"], rec["pass"], side)].append(rec["ms"])
+keys = sorted({k[:4] for k in ms})
+print("d causal n pass: old ms / new ms = speed-up (median of 2 rounds each)")
+ratios = []
+for k in keys:
+    o, n = statistics.median(ms[k + ("old",)]), statistics.median(ms[k + ("new",)])
+    ratios.append(o / n)
+    print(*k, f"{o:.3f} / {n:.3f} = {o / n:.3f}x")
+print(f"geomean {statistics.geometric_mean(ratios):.3f}x over {len(ratios)} points")
+PY
 fi
 if has bwdbench; then
   # Issue 33: SageBwd's gradients against float64 beside SDPA bf16, and fwd/bwd/fwd+bwd speed.
