@@ -35,6 +35,8 @@ def main():
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--ns", default="1024,2048,4096,8192,16384,32768")
     ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--dv", type=int, default=0,
+                    help="V's head dim where it differs from Q/K's (MLA: --dims 192 --dv 128); 0: the same")
     ap.add_argument("--dtypes", default="float16")
     ap.add_argument("--recipe", default="sage2_8b")
     ap.add_argument("--heads", type=int, default=32,
@@ -66,9 +68,11 @@ def main():
         dtype = getattr(torch, dt)
         batch = max(1, args.tokens // n)
         heads = args.heads or max(1, 4096 // d)
-        sets = [[torch.randn(batch, heads, n, d, device="cuda", dtype=dtype) for _ in range(3)]
+        dv = args.dv or d
+        sets = [[torch.randn(batch, heads, n, dim, device="cuda", dtype=dtype) for dim in (d, d, dv)]
                 for _ in range(2)]
-        ops = 4.0 * batch * heads * n * n * d / (2 if causal else 1)
+        # QK^T over d and PV over dv (4 n^2 d when they are equal).
+        ops = 2.0 * batch * heads * n * n * (d + dv) / (2 if causal else 1)
         impls = {
             "sagekit": lambda i=0: sagekit.sageattn(*sets[i % 2], is_causal=bool(causal), recipe=args.recipe),
         }
@@ -101,7 +105,8 @@ def main():
             row[label] = tops
             records.append(dict(impl=name, recipe=args.recipe if name == "sagekit" else "fp16" if dt == "float16" else "bf16",
                                 d=d, causal=bool(causal), n=n, batch=batch, heads=heads, dtype=dt,
-                                whole_call=whole_call, ms=ms, tops=tops, device=dev))
+                                whole_call=whole_call, ms=ms, tops=tops, device=dev,
+                                **({"d_v": dv} if dv != d else {})))
         # accuracy of sagekit on one head of these inputs, against float64
         q, k, v = (t[:1, :1] for t in sets[0])
         ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=bool(causal))
@@ -114,7 +119,7 @@ def main():
         del sets, kvs, kernel_only
         torch.cuda.empty_cache()
         ratio = row.get("sagekit", float("nan")) / row.get("torch-cudnn", float("nan"))
-        print(f"[{idx + 1}/{len(grid)}] {dt} d={d} causal={causal} n={n}: "
+        print(f"[{idx + 1}/{len(grid)}] {dt} d={d}{f' dv={dv}' if dv != d else ''} causal={causal} n={n}: "
               + "  ".join(f"{k} {v:7.1f}" for k, v in row.items())
               + f"  sage/cudnn {ratio:.2f}  cos {cos:.5f}  ({time.time() - t_start:.0f}s)", flush=True)
 

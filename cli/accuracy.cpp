@@ -12,6 +12,7 @@ reference::SyntheticShape CheckShape::synthetic() const {
   s.n_q = n;
   s.n_kv = n;
   s.head_dim = d;
+  s.head_dim_v = v_dim();
   return s;
 }
 
@@ -19,7 +20,9 @@ std::string CheckShape::describe() const {
   std::ostringstream os;
   os << "batch " << batch << ", heads " << heads;
   if (kv_heads != heads) os << " (kv " << kv_heads << ")";
-  os << ", N " << n << ", d " << d << ", " << (causal ? "causal" : "non-causal");
+  os << ", N " << n << ", d " << d;
+  if (v_dim() != d) os << ", d_v " << v_dim();
+  os << ", " << (causal ? "causal" : "non-causal");
   if (window_left >= 0 || window_right >= 0)
     os << ", window (" << window_left << ", " << window_right << ")";
   os << ", seed " << seed;
@@ -28,7 +31,7 @@ std::string CheckShape::describe() const {
 
 DistributionCase::DistributionCase(const std::string& distribution, const CheckShape& shape)
     : shape_(shape), inputs_(reference::make_synthetic(distribution, shape.synthetic(), shape.seed)) {
-  exact_.resize(static_cast<size_t>(shape.batch * shape.heads * shape.n * shape.d));
+  exact_.resize(static_cast<size_t>(shape.batch * shape.heads * shape.n * shape.v_dim()));
   AttentionArgs a;
   a.q = inputs_.q_view();
   a.k = inputs_.k_view();
@@ -40,7 +43,7 @@ DistributionCase::DistributionCase(const std::string& distribution, const CheckS
 }
 
 TensorView DistributionCase::out_view(void* data, DType dtype) const {
-  return contiguous_view(data, dtype, {shape_.batch, shape_.heads, shape_.n, shape_.d});
+  return contiguous_view(data, dtype, {shape_.batch, shape_.heads, shape_.n, shape_.v_dim()});
 }
 
 TensorView DistributionCase::exact_view() const {

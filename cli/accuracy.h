@@ -14,11 +14,14 @@ namespace sage::cli {
 
 struct CheckShape {
   int64_t batch = 1, heads = 2, kv_heads = 2, n = 1024, d = 128;
+  int64_t dv = 0;  // V's (and the output's) head dim; 0: d
+  int64_t v_dim() const { return dv > 0 ? dv : d; }
   bool causal = false;
   int64_t window_left = -1, window_right = -1;  // the sliding window (-1: unbounded)
   uint64_t seed = 0;
   reference::SyntheticShape synthetic() const;
-  // "batch 1, heads 2/2, N 1024, d 128, non-causal, seed 0" (", window (L, R)" when set)
+  // "batch 1, heads 2/2, N 1024, d 128, non-causal, seed 0" (", d_v 128" after d when V's
+  // head dim differs, ", window (L, R)" when set)
   std::string describe() const;
 };
 

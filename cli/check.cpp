@@ -111,6 +111,8 @@ int run_check(const std::vector<std::string>& args) {
        {"dist", "NAME[,NAME..]|all", "synthetic distributions (default all)"},
        {"n", "N", "tokens of Q and of K/V (default 1024)"},
        {"d", "D", "head dim (default 128)"},
+       {"dv", "D", "V's head dim, which the output takes (default: --d; DeepSeek MLA's prefill: "
+                   "--d 192 --dv 128)"},
        {"heads", "H", "query heads (default 2)"},
        {"kv-heads", "H", "key/value heads, dividing --heads (default: --heads)"},
        {"batch", "B", "batch size (default 1)"},
@@ -142,6 +144,7 @@ int run_check(const std::vector<std::string>& args) {
   CheckShape shape;
   shape.n = flags.integer("n", 1024, 1, int64_t(1) << 20);
   shape.d = flags.integer("d", 128, 1, 1024);
+  shape.dv = flags.integer("dv", shape.d, 1, 1024);
   shape.heads = flags.integer("heads", 2, 1, 1024);
   shape.kv_heads = flags.integer("kv-heads", shape.heads, 1, shape.heads);
   if (shape.heads % shape.kv_heads != 0)
@@ -158,7 +161,9 @@ int run_check(const std::vector<std::string>& args) {
   if (flags.has("backward")) {
     if (device_flag == "gpu")
       throw UsageError("sage check: --backward runs on the CPU (no GPU backward exists yet)");
-    for (const char* f : {"p-range", "row-sum", "k-mean-stride", "qk-channel-balance", "window"})
+    // dv: the backward has no V head dim of its own.
+    for (const char* f :
+         {"p-range", "row-sum", "k-mean-stride", "qk-channel-balance", "window", "dv"})
       if (flags.has(f)) throw UsageError(std::string("sage check: --") + f + " does not apply with --backward");
     return run_check_backward(flags, shape, json);
   }
@@ -262,7 +267,8 @@ int run_check(const std::vector<std::string>& args) {
         r.str("recipe", recipes[ri]).str("dist", dist).str("compared", compared).str("device", device)
             .integer("batch", shape.batch).integer("heads", shape.heads)
             .integer("kv_heads", shape.kv_heads).integer("n", shape.n).integer("d", shape.d)
-            .boolean("causal", shape.causal).integer("seed", static_cast<int64_t>(shape.seed))
+            .integer("dv", shape.v_dim()).boolean("causal", shape.causal)
+            .integer("seed", static_cast<int64_t>(shape.seed))
             .str("dtype", "fp16");
         if (window.given()) r.integers("window", {window.left, window.right});
         if (p_range > 0) r.integer("p_range", p_range);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizers, Python package, benchmark.
-# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [timingmodes] [profile] [digest] [ab] [dist] [distbench] [dimbench] [varlenbench] [bwdbench] [bwdab] [parity] [bwdprofile]
+# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [timingmodes] [profile] [digest] [ab] [dist] [distbench] [dimbench] [mlabench] [varlenbench] [bwdbench] [bwdab] [parity] [bwdprofile]
 # Results land in $OUT (at most 8 files come back): logs, JSON and Markdown.
 # bench: BENCH_RUNS runs of the grid (default 3), merged into $OUT/h100.{json,md} by their
 # per-point median (bench/merge_runs.py).
@@ -237,6 +237,14 @@ if has dimbench; then
   python3 bench/bench_sdpa.py --dims "${DIMS:-64,96,128,256}" --ns "${NS:-1024,2048,4096,16384}" \
     --heads 0 --recipe "${RECIPE:-sage2_8b}" --no-kernel-only --iters ${ITERS:-10} \
     --json "$OUT/h100_dims.json" --markdown "$OUT/h100_dims.md" 2>&1 | grep -E "^\[|failed" | tail -40
+fi
+if has mlabench; then
+  # Issue 34's MLA shape: Q/K 192 and V 128 (on the d = 256 tile), heads x 192 ~ 4096, 32K tokens
+  # a call, fp16, beside torch SDPA, which takes a V head dim of its own too.
+  log "MLA shape (Q/K 192, V 128)"
+  python3 bench/bench_sdpa.py --dims 192 --dv 128 --ns "${NS:-1024,2048,4096,16384}" --heads 0 \
+    --recipe "${RECIPE:-sage2_8b}" --no-kernel-only --iters ${ITERS:-10} \
+    --json "$OUT/h100_mla.json" --markdown /dev/null 2>&1 | grep -E "^\[|failed" | tail -20
 fi
 if has varlenbench; then
   # Issue 34's packed-batch bar: 32 sequences of lengths uniform in [128, 8192], d 128.

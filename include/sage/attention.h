@@ -3,12 +3,14 @@
 //   out = softmax(sm_scale * Q K^T + mask) V       (computed the way `recipe` says)
 //
 // Shapes (Layout::HND; NHD swaps the tokens and heads dimensions):
-//   q   [batch, heads_q,  n_q,  head_dim]   fp16 / bf16 (or int8 for prequantized inputs)
-//   k   [batch, heads_kv, n_kv, head_dim]   same dtype as q
-//   v   [batch, heads_kv, n_kv, head_dim]   same dtype as q
-//   out [batch, heads_q,  n_q,  head_dim]   fp16 / bf16 (the input dtype; f32/f64 allowed on CPU)
-//   lse [batch, heads_q, n_q]               f32, optional: natural-log sum of exp(sm_scale q.k)
-// heads_q must be a multiple of heads_kv (GQA; heads_kv = 1 is MQA).
+//   q   [batch, heads_q,  n_q,  head_dim]    fp16 / bf16 (or int8 for prequantized inputs)
+//   k   [batch, heads_kv, n_kv, head_dim]    same dtype as q
+//   v   [batch, heads_kv, n_kv, head_dim_v]  same dtype as q
+//   out [batch, heads_q,  n_q,  head_dim_v]  fp16 / bf16 (the input dtype; f32/f64 allowed on CPU)
+//   lse [batch, heads_q, n_q]                f32, optional: natural-log sum of exp(sm_scale q.k)
+// heads_q must be a multiple of heads_kv (GQA; heads_kv = 1 is MQA). V may have its own head
+// dim (head_dim_v; DeepSeek MLA's prefill has head_dim 192, head_dim_v 128); out has V's. The
+// scores use head_dim (and the default sm_scale is 1/sqrt(head_dim)); V and out use head_dim_v.
 //
 // Masks are aligned bottom-right (as FlashAttention-2/3). With off = n_kv - n_q, query i
 // attends key j iff
@@ -44,18 +46,19 @@ struct AttentionArgs {
   // causal, window_right must be -1 or 0. Keys outside the window are masked; statistics the
   // recipe takes over keys (K smoothing's mean, V's scales) still cover every key.
   int64_t window_left = -1, window_right = -1;
-  std::optional<float> sm_scale;  // default 1/sqrt(head_dim)
+  std::optional<float> sm_scale;  // default 1/sqrt(head_dim), q's head dim
   Recipe recipe = Recipe{};       // default: the sage2_8b preset's options
 
   // Prequantized inputs only (recipe.inputs == Inputs::prequantized_int8), all f32:
   //   q_scale [batch, heads_q, n_q], k_scale [batch, heads_kv, n_kv] (per token),
-  //   v_scale [batch, heads_kv] (per tensor) or [batch, heads_kv, head_dim] (per channel).
+  //   v_scale [batch, heads_kv] (per tensor) or [batch, heads_kv, head_dim_v] (per channel).
   TensorView q_scale, k_scale, v_scale;
 };
 
 // The shape facts every entry point derives once from validated arguments.
 struct Problem {
   int64_t batch = 0, heads_q = 0, heads_kv = 0, n_q = 0, n_kv = 0, head_dim = 0;
+  int64_t head_dim_v = 0;  // v's (and out's) head dim; equal to head_dim in the usual case
   float sm_scale = 0.f;
   // The mask as the window every entry point applies: causal folded in as window_right = 0,
   // and a bound that masks no key of any row (e.g. window_left >= n_kv - 1) set to -1.
@@ -91,9 +94,10 @@ void attention(const AttentionArgs& args, void* workspace, size_t workspace_size
 //     and writes out and lse.
 // Between the two, the workspace holds this recipe's quantized K/V and may serve any number
 // of attention calls (a KV cache, several query sets, or timing the attention kernel alone).
-// Its size depends only on the K/V shapes and the recipe:
+// Its size depends only on the K/V shapes and the recipe (head_dim_v: V's head dim where it
+// differs from K's; -1: the same):
 size_t kv_workspace_bytes(int64_t batch, int64_t heads_kv, int64_t n_kv, int64_t head_dim,
-                          const Recipe& recipe);
+                          const Recipe& recipe, int64_t head_dim_v = -1);
 void quantize_kv(const AttentionArgs& args, void* workspace, size_t workspace_size, void* stream);
 void attention_from_quantized_kv(const AttentionArgs& args, const void* workspace,
                                  size_t workspace_size, void* stream);

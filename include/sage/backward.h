@@ -10,7 +10,8 @@
 //   q, dout, dq, out  [batch, heads_q,  n_q,  head_dim]
 //   k, v, dk, dv      [batch, heads_kv, n_kv, head_dim]
 //   lse               [batch, heads_q, n_q] f32 (optional, written)
-// dk and dv of a KV head are summed over the query heads that share it (GQA/MQA).
+// dk and dv of a KV head are summed over the query heads that share it (GQA/MQA). v's head dim
+// must be q's: the forward's V head dim of its own (attention.h) has no backward.
 #pragma once
 
 #include <optional>

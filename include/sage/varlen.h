@@ -1,12 +1,13 @@
 // Packed variable-length batches: several sequences of different lengths in one call, with
 // FlashAttention's flash_attn_varlen_func names (code written for it ports by renaming).
 //
-//   q    [total_q, heads_q,  head_dim]   fp16 / bf16 (f32 allowed on the CPU)
-//   k, v [total_k, heads_kv, head_dim]   same dtype as q
-//   out  [total_q, heads_q,  head_dim]   any float dtype on the CPU
-//   lse  [heads_q, total_q]              f32, optional (the packed form FlashAttention uses)
+//   q    [total_q, heads_q,  head_dim]     fp16 / bf16 (f32 allowed on the CPU)
+//   k    [total_k, heads_kv, head_dim]     same dtype as q
+//   v    [total_k, heads_kv, head_dim_v]   same dtype as q; V may have its own head dim
+//   out  [total_q, heads_q,  head_dim_v]   any float dtype on the CPU; V's head dim
+//   lse  [heads_q, total_q]                f32, optional (the packed form FlashAttention uses)
 //   cu_seqlens_q [batch + 1], cu_seqlens_k [batch + 1]   i32: in host memory for the CPU
-//                                        references, in device memory for attention_varlen
+//                                          references, in device memory for attention_varlen
 // Sequence b owns query tokens cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 and key tokens
 // cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1. The offsets start at 0, never decrease, and end
 // at the token counts; max_seqlen_q / max_seqlen_k are at least the longest sequence (they
@@ -40,7 +41,7 @@
 namespace sage {
 
 struct VarlenArgs {
-  TensorView q, k, v;  // packed [total_tokens, heads, head_dim], head_dim contiguous
+  TensorView q, k, v;  // packed [tokens, heads, head_dim] (v: head_dim_v), last dim contiguous
   TensorView out;
   TensorView lse;  // optional: leave undefined to skip
   // i32 [batch + 1]: host memory (CPU references) or device memory (attention_varlen), as the
@@ -49,13 +50,14 @@ struct VarlenArgs {
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
   bool causal = false;
   int64_t window_left = -1, window_right = -1;  // as AttentionArgs, per sequence
-  std::optional<float> sm_scale;                // default 1/sqrt(head_dim)
+  std::optional<float> sm_scale;                // default 1/sqrt(head_dim), q's head dim
   Recipe recipe = Recipe{};                     // default: the sage2_8b preset's options
 };
 
 // The shape facts of a validated varlen call, with the offsets read once.
 struct VarlenProblem {
   int64_t batch = 0, heads_q = 0, heads_kv = 0, total_q = 0, total_k = 0, head_dim = 0;
+  int64_t head_dim_v = 0;  // v's (and out's) head dim
   std::vector<int64_t> cu_seqlens_q, cu_seqlens_k;  // batch + 1 entries each
   int64_t seqlen_q(int64_t b) const { return cu_seqlens_q[b + 1] - cu_seqlens_q[b]; }
   int64_t seqlen_k(int64_t b) const { return cu_seqlens_k[b + 1] - cu_seqlens_k[b]; }
@@ -77,8 +79,10 @@ AttentionArgs sequence_args(const VarlenArgs& args, const VarlenProblem& p, int6
 size_t varlen_workspace_bytes(const VarlenArgs& args);
 // The same from sizes alone (what a traced graph knows): batch = cu_seqlens' length - 1,
 // total_k = k's token count. Shape arithmetic only; equal to the above for such arguments.
+// head_dim_v: V's head dim where it differs from K's; -1: the same.
 size_t varlen_workspace_bytes(int64_t batch, int64_t heads_kv, int64_t max_seqlen_k,
-                              int64_t total_k, int64_t head_dim, const Recipe& recipe);
+                              int64_t total_k, int64_t head_dim, const Recipe& recipe,
+                              int64_t head_dim_v = -1);
 
 // Runs a packed batch on the GPU on `stream`. Asynchronous; throws sage::Error for bad
 // arguments (naming them) before anything is enqueued. cu_seqlens_q / cu_seqlens_k in device

@@ -66,7 +66,8 @@ def sageattn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool 
     """Quantized attention on the GPU: softmax(scale * q k^T [+ mask]) v.
 
     q [B, Hq, Nq, D], k/v [B, Hkv, Nkv, D] for layout "HND" ([B, N, H, D] for "NHD"),
-    float16 or bfloat16 CUDA tensors; Hq a multiple of Hkv (GQA / MQA). Views with any
+    float16 or bfloat16 CUDA tensors; Hq a multiple of Hkv (GQA / MQA). v may have a head
+    dim Dv of its own (DeepSeek MLA: D = 192, Dv = 128); the output then has Dv. Views with any
     strides and storage offsets are used in place; only head_dim must be contiguous.
     is_causal aligns the mask bottom-right (query i sees keys j <= i + Nkv - Nq).
     window_size = (left, right), FlashAttention's sliding window: query i sees keys j with
@@ -75,7 +76,7 @@ def sageattn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool 
     K/V tiles are computed. A query row that sees no key gets output 0 and LSE -inf.
     scale defaults to 1/sqrt(D). recipe: "auto" (sage2_8b_balanced on compute capability
     9.0, an error elsewhere), a preset name, a spec string or a dict of options.
-    Returns the output (q's shape and dtype), and with return_lse also the float32
+    Returns the output (q's shape with v's head dim, q's dtype), and with return_lse also the float32
     natural-log sum of exp [B, Hq, Nq].
     Prequantized inputs (recipe "int_flash"): int8 q/k/v with float32 q_scale, k_scale,
     v_scale; out_dtype picks the output dtype (default float16).
@@ -230,7 +231,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
 
     Same signature and semantics for what sagekit supports: inputs [..., H, L, E] (3-D
     [N, L, E] and more than one batch dimension work too), float16/bfloat16 on a CUDA
-    device, E equal for query, key and value. What it cannot honor is an error naming the
+    device, E equal for query and key, value's Ev its own (as torch: MLA's E = 192, Ev = 128).
+    What it cannot honor is an error naming the
     argument, never silently dropped: attn_mask, dropout_p > 0, and is_causal with L != S
     (torch aligns that mask top-left, sagekit bottom-right; use sageattn for the latter).
     enable_gqa=False with different head counts raises, as torch does.
@@ -254,9 +256,6 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     if key.dim() != query.dim() or value.dim() != query.dim():
         raise argument_error("key", f"query, key and value must have the same number of "
                              f"dimensions (got {query.dim()}, {key.dim()}, {value.dim()})")
-    if value.shape[-1] != query.shape[-1]:
-        raise argument_error("value", f"head dim Ev must equal query's E {query.shape[-1]} "
-                             f"(got {value.shape[-1]})")
     L, S = query.shape[-2], key.shape[-2]
     if is_causal and L != S:
         raise argument_error("is_causal", f"with L != S (L={L}, S={S}) torch aligns the causal "
@@ -309,8 +308,6 @@ def _unsupported(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
             return "device/dtype"
         if t.dim() < 3 or t.dim() != query.dim():
             return "rank"
-    if value.shape[-1] != query.shape[-1]:
-        return "value head dim"
     if is_causal and query.shape[-2] != key.shape[-2]:
         return "is_causal with L != S"
     if query.shape[-3] != key.shape[-3] and query.dim() > 3 and not enable_gqa:

@@ -192,6 +192,12 @@ def _plan_fp8_cuda_sm90(q, tensor_layout, is_causal, qk_quant_gran, sm_scale, pv
 # ---- running a mapped call ---------------------------------------------------------------------
 
 def _run(call: CompatCall, q: Any, k: Any, v: Any):
+    # The reference's kernels take one head dim for q, k and v; sagekit.sageattn takes a V
+    # head dim of its own.
+    if getattr(v, "shape", None) is not None and len(v.shape) >= 1 and int(v.shape[-1]) != call.head_dim:
+        raise argument_error("v", f"head_dim must equal q's head_dim {call.head_dim} in the "
+                             f"reference's API (got {int(v.shape[-1])}); sagekit.sageattn takes "
+                             "a V head dim of its own")
     pad = call.padded_head_dim - call.head_dim
     if pad:
         import torch.nn.functional as F

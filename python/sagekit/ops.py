@@ -183,9 +183,15 @@ def _allocate(device: torch.device):
     return allocate
 
 
-def _outputs(q: torch.Tensor, layout: str, return_lse: bool,
+def _out_shape(q: torch.Tensor, v: torch.Tensor) -> Tuple[int, ...]:
+    """q's shape with V's head dim last (it may differ from Q/K's, as MLA's 192 / 128); a
+    malformed v is the library's to refuse by name, so q's shape stands in for it here."""
+    return (*q.shape[:-1], v.shape[-1]) if q.dim() >= 1 and v.dim() == q.dim() else tuple(q.shape)
+
+
+def _outputs(q: torch.Tensor, v: torch.Tensor, layout: str, return_lse: bool,
              out_dtype: Optional[torch.dtype]) -> Tuple[torch.Tensor, torch.Tensor]:
-    out = torch.empty(q.shape, dtype=_out_dtype(q, out_dtype), device=q.device)
+    out = torch.empty(_out_shape(q, v), dtype=_out_dtype(q, out_dtype), device=q.device)
     lse = torch.empty(_lse_shape(q, layout, return_lse), dtype=torch.float32, device=q.device)
     return out, lse
 
@@ -198,7 +204,7 @@ def _attention_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: s
               out_dtype: Optional[torch.dtype]) -> Tuple[torch.Tensor, torch.Tensor]:
     _require_cuda_build()
     recipe = resolve_auto(recipe, q.device)
-    out, lse = _outputs(q, layout, return_lse, out_dtype)
+    out, lse = _outputs(q, v, layout, return_lse, out_dtype)
     with _on_device(q.device) as stream:
         _C.attention(dlpack_capsule(q), dlpack_capsule(k), dlpack_capsule(v),
                      dlpack_capsule(out), dlpack_capsule(lse) if return_lse else None,
@@ -217,7 +223,7 @@ attention = torch.library.custom_op("sagekit::attention", mutates_args=(),
 def _attention_fake(q, k, v, layout, is_causal, window_left, window_right, scale, recipe,
                     return_lse, q_scale, k_scale, v_scale, out_dtype):
     # Same shapes, dtypes and (contiguous) strides as the real op allocates.
-    out = q.new_empty(q.shape, dtype=_out_dtype(q, out_dtype))
+    out = q.new_empty(_out_shape(q, v), dtype=_out_dtype(q, out_dtype))
     lse = q.new_empty(_lse_shape(q, layout, return_lse), dtype=torch.float32)
     return out, lse
 
@@ -235,7 +241,7 @@ def _attention_varlen_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            recipe: str, return_lse: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     _require_cuda_build()
     recipe = resolve_auto(recipe, q.device)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device)
     lse = torch.empty(_varlen_lse_shape(q, return_lse), dtype=torch.float32, device=q.device)
     with _on_device(q.device) as stream:
         _C.attention_varlen(dlpack_capsule(q), dlpack_capsule(k), dlpack_capsule(v),
@@ -259,7 +265,7 @@ attention_varlen = torch.library.custom_op("sagekit::attention_varlen", mutates_
 @attention_varlen.register_fake
 def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            is_causal, window_left, window_right, scale, recipe, return_lse):
-    out = q.new_empty(q.shape)
+    out = q.new_empty(_out_shape(q, v))
     lse = q.new_empty(_varlen_lse_shape(q, return_lse), dtype=torch.float32)
     return out, lse
 
@@ -450,7 +456,7 @@ def _attention_for_training_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         out, lse = _attention_body(q, k, v, layout, is_causal, window_left, window_right, scale,
                                    recipe, return_lse, None, None, None, None)
         return out, lse, l2.fill_(float("-inf"))
-    out, lse = _outputs(q, layout, return_lse, None)
+    out, lse = _outputs(q, v, layout, return_lse, None)
     with _on_device(q.device) as stream:
         # The backward's own options (check_backward_options): the window (-1, 0) is the causal
         # mask, the same bits, so the saved L2 and out are exactly what the backward would
@@ -506,12 +512,18 @@ attention_for_training.register_autograd(_training_backward_formula,
                                          setup_context=_training_setup_context)
 
 
+def _head_dim_v(v: torch.Tensor) -> Optional[int]:
+    # None (K's head dim) for a malformed v: the library refuses it by name in the op.
+    return v.shape[-1] if v.dim() == 4 and type(v.shape[-1]) is int else None
+
+
 def _quantize_kv_body(k: torch.Tensor, v: torch.Tensor, layout: str, recipe: str,
                 k_scale: Optional[torch.Tensor],
                 v_scale: Optional[torch.Tensor]) -> torch.Tensor:
     _require_cuda_build()
     recipe = resolve_auto(recipe, k.device, two_step=True)
-    nbytes = _C.kv_workspace_bytes(*_layout_dims(k, layout, "k"), recipe=recipe)
+    nbytes = _C.kv_workspace_bytes(*_layout_dims(k, layout, "k"), recipe=recipe,
+                                   head_dim_v=_head_dim_v(v))
     # The workspace is the op's output, so torch owns it and frees it with the last
     # reference. The caching allocator carves blocks at 512-byte multiples out of cudaMalloc'd
     # segments, so the pointer has the 256-byte alignment the library requires.
@@ -534,7 +546,8 @@ def _quantize_kv_fake(k, v, layout, recipe, k_scale, v_scale):
         # kv_workspace_bytes is shape arithmetic (no device is touched), so the fake has the
         # real op's exact size. "auto" only ever runs as AUTO_RECIPE_TWO_STEP here (elsewhere
         # the real op raises), so that is the size it gets.
-        nbytes = _C.kv_workspace_bytes(*dims, recipe=AUTO_RECIPE_TWO_STEP if recipe == "auto" else recipe)
+        nbytes = _C.kv_workspace_bytes(*dims, recipe=AUTO_RECIPE_TWO_STEP if recipe == "auto" else recipe,
+                                       head_dim_v=_head_dim_v(v))
     else:
         # No exact count: a build without CUDA has no workspace layout (its
         # kv_workspace_bytes raises, like every GPU entry point there), and symbolic sizes
@@ -554,7 +567,7 @@ def _attention_from_quantized_kv_body(q: torch.Tensor, k: torch.Tensor, v: torch
                                 ) -> Tuple[torch.Tensor, torch.Tensor]:
     _require_cuda_build()
     recipe = resolve_auto(recipe, q.device, two_step=True)
-    out, lse = _outputs(q, layout, return_lse, out_dtype)
+    out, lse = _outputs(q, v, layout, return_lse, out_dtype)
     with _on_device(q.device) as stream:
         _C.attention_from_quantized_kv(
             dlpack_capsule(q), dlpack_capsule(k), dlpack_capsule(v), dlpack_capsule(out),

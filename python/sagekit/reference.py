@@ -94,7 +94,9 @@ def _run(fn, q, k, v, recipe, is_causal, scale, layout, return_lse, q_scale, k_s
     if q.ndim != 4:
         raise argument_error("q", f"must have 4 dimensions ({'[batch, heads, tokens, head_dim]' if layout == 'HND' else '[batch, tokens, heads, head_dim]'}, "
                              f"layout {layout}) (got {q.ndim})")
-    shape = tuple(int(s) for s in q.shape)
+    # The output has V's head dim (MLA: Q/K 192, V 128); the library checks v itself.
+    dv = int(v.shape[-1]) if getattr(v, "ndim", 0) == 4 else int(q.shape[-1])
+    shape = tuple(int(s) for s in q.shape[:-1]) + (dv,)
     if kind == "torch":
         torch = _torch()
         out = torch.empty(shape, dtype=torch.float32)
@@ -124,7 +126,7 @@ def simulate(q, k, v, recipe: RecipeLike = "sage2_8b", is_causal: bool = False,
     ("NHD"); heads of q a multiple of heads of k/v (GQA). recipe: a preset name, a spec
     string or a dict of options ("auto" means sage2_8b_balanced, what the Hopper path
     runs for "auto"). window_size = (left, right): the sliding window as in sagekit.sageattn.
-    Returns a float32 output of q's shape (and the float32 natural-log LSE, [B, H, N], with
+    Returns a float32 output of q's shape with v's head dim (and the float32 natural-log LSE, [B, H, N], with
     return_lse=True), as NumPy or torch like the inputs; a row that sees no key gets 0 and
     an LSE of -inf.
     """

@@ -31,7 +31,8 @@ def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_
                     recipe: RecipeLike = "auto", return_lse: bool = False):
     """Quantized attention on a packed batch on the GPU, flash_attn_varlen_func's way.
 
-    q: [total_q, heads_q, head_dim], k, v: [total_k, heads_kv, head_dim] CUDA tensors (fp16 or
+    q: [total_q, heads_q, head_dim], k, v: [total_k, heads_kv, head_dim] CUDA tensors (v may
+    have a head dim of its own, as MLA's 192 / 128; out then has it) (fp16 or
     bf16, head_dim contiguous; heads_kv divides heads_q: GQA/MQA). cu_seqlens_q/_k: int32
     [batch + 1] offsets on q's device (sequence b owns tokens cu[b] .. cu[b + 1] - 1); they are
     never read on the host. max_seqlen_q/_k: ints, at least the longest sequence (they size
@@ -39,8 +40,8 @@ def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_
     bounds). causal: bottom-right per sequence; window_size = (left, right), -1 unbounded, per
     sequence. softmax_scale defaults to 1/sqrt(head_dim). dropout_p must be 0.
 
-    Returns out (q's shape and dtype), and with return_lse=True also the float32 LSE in
-    FlashAttention's packed form [heads_q, total_q]. A sequence with queries and no keys gets
+    Returns out (q's shape with v's head dim, q's dtype), and with return_lse=True also the
+    float32 LSE in FlashAttention's packed form [heads_q, total_q]. A sequence with queries and no keys gets
     output 0 and LSE -inf; one without queries writes nothing. No autograd (inference).
     """
     if dropout_p != 0:

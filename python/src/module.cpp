@@ -206,7 +206,9 @@ KVDims kv_dims(const sage::TensorView& k, sage::Layout layout) {
 
 size_t kv_bytes_of(const sage::AttentionArgs& a) {
   const KVDims d = kv_dims(a.k, a.layout);
-  return sage::kv_workspace_bytes(d.batch, d.heads, d.tokens, d.head_dim, a.recipe);
+  // V's head dim where the view has one (checked with the rest of the call); else K's.
+  const int64_t dv = a.v.ndim == 4 ? a.v.shape[3] : d.head_dim;
+  return sage::kv_workspace_bytes(d.batch, d.heads, d.tokens, d.head_dim, a.recipe, dv);
 }
 
 // The device range behind a `workspace` argument: checks that it is a flat buffer on
@@ -363,18 +365,25 @@ NB_MODULE(_C, m) {
   // ---- GPU in two steps: quantize K/V once, then attend any number of times -------------
   m.def(
       "kv_workspace_bytes",
-      [](int64_t batch, int64_t heads_kv, int64_t n_kv, int64_t head_dim, nb::handle recipe) {
-        const std::pair<int64_t, const char*> dims[] = {
-            {batch, "batch"}, {heads_kv, "heads_kv"}, {n_kv, "n_kv"}, {head_dim, "head_dim"}};
+      [](int64_t batch, int64_t heads_kv, int64_t n_kv, int64_t head_dim, nb::handle recipe,
+         std::optional<int64_t> head_dim_v) {
+        const int64_t dv = head_dim_v.value_or(head_dim);
+        const std::pair<int64_t, const char*> dims[] = {{batch, "batch"},
+                                                        {heads_kv, "heads_kv"},
+                                                        {n_kv, "n_kv"},
+                                                        {head_dim, "head_dim"},
+                                                        {dv, "head_dim_v"}};
         // Negative sizes would wrap in the library's size_t arithmetic.
         for (const auto& [value, name] : dims)
           if (value < 0)
             throw sage::Error(name, "must be >= 0 (got " + std::to_string(value) + ")");
-        return sage::kv_workspace_bytes(batch, heads_kv, n_kv, head_dim, recipe_from(recipe));
+        return sage::kv_workspace_bytes(batch, heads_kv, n_kv, head_dim, recipe_from(recipe), dv);
       },
       "batch"_a, "heads_kv"_a, "n_kv"_a, "head_dim"_a, "recipe"_a.none() = "sage2_8b",
+      "head_dim_v"_a.none() = nb::none(),
       "Bytes of device workspace that quantize_kv fills for K/V of these sizes and this recipe "
-      "(shape arithmetic only: no device is touched). Raises in a build without CUDA.");
+      "(head_dim_v: V's head dim where it differs from K's). Shape arithmetic only: no device "
+      "is touched. Raises in a build without CUDA.");
 
   m.def(
       "quantize_kv",
@@ -688,20 +697,22 @@ NB_MODULE(_C, m) {
   m.def(
       "varlen_workspace_bytes",
       [](int64_t batch, int64_t heads_kv, int64_t max_seqlen_k, int64_t total_k, int64_t head_dim,
-         nb::handle recipe) {
+         nb::handle recipe, std::optional<int64_t> head_dim_v) {
+        const int64_t dv = head_dim_v.value_or(head_dim);
         const std::pair<int64_t, const char*> dims[] = {{batch, "batch"},
                                                         {heads_kv, "heads_kv"},
                                                         {max_seqlen_k, "max_seqlen_k"},
                                                         {total_k, "total_k"},
-                                                        {head_dim, "head_dim"}};
+                                                        {head_dim, "head_dim"},
+                                                        {dv, "head_dim_v"}};
         for (const auto& [value, name] : dims)
           if (value < 0)
             throw sage::Error(name, "must be >= 0 (got " + std::to_string(value) + ")");
         return sage::varlen_workspace_bytes(batch, heads_kv, max_seqlen_k, total_k, head_dim,
-                                            recipe_from(recipe));
+                                            recipe_from(recipe), dv);
       },
       "batch"_a, "heads_kv"_a, "max_seqlen_k"_a, "total_k"_a, "head_dim"_a,
-      "recipe"_a.none() = "sage2_8b",
+      "recipe"_a.none() = "sage2_8b", "head_dim_v"_a.none() = nb::none(),
       "Bytes of device workspace attention_varlen needs: the quantized K/V laid out per "
       "sequence, each padded to whole 128-key tiles of min(max_seqlen_k, total_k) keys. Shape "
       "arithmetic only (no device is touched, no offset read). Raises in a build without CUDA.");

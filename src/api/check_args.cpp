@@ -179,6 +179,32 @@ void check_scale(const TensorView& t, const char* name, std::initializer_list<in
   }
 }
 
+// q's (and k's) or v's head dim: at least 1, at most kCpuMaxHeadDim on the CPU, and on the GPU
+// one that a kernel tile of this build runs.
+void check_head_dim(int64_t head_dim, const char* name, DeviceKind device) {
+  if (head_dim < 1) throw Error(name, "head_dim must be >= 1 (got " + num(head_dim) + ")");
+  if (device == DeviceKind::cpu) {
+    if (head_dim > kCpuMaxHeadDim)
+      throw Error(name, "head_dim must be at most " + num(kCpuMaxHeadDim) + " on cpu (got " +
+                            num(head_dim) + ")");
+    return;
+  }
+  const std::vector<int64_t> dims = gpu_head_dim_list();
+  bool supported = false, steps = true;  // steps: dims are every multiple of 8 in a range
+  std::string list;
+  for (size_t i = 0; i < dims.size(); ++i) {
+    supported = supported || dims[i] == head_dim;
+    steps = steps && (i == 0 || dims[i] == dims[i - 1] + kGpuHeadDimStep);
+    list += (list.empty() ? "" : ", ") + num(dims[i]);
+  }
+  if (!supported && steps && !dims.empty())
+    throw Error(name, "head_dim must be a multiple of " + num(kGpuHeadDimStep) + " from " +
+                          num(dims.front()) + " to " + num(dims.back()) + " on cuda (got " +
+                          num(head_dim) + ")");
+  if (!supported)
+    throw Error(name, "head_dim must be one of " + list + " on cuda (got " + num(head_dim) + ")");
+}
+
 void check_window(const AttentionArgs& a) {
   const struct {
     int64_t value;
@@ -207,7 +233,7 @@ Problem check_args(const AttentionArgs& a, DeviceKind device) {
   if (a.lse.defined()) require_ndim(a.lse, "lse", 3, "[batch, heads_q, n_q]");
 
   const std::string v_scale_dims = a.recipe.v_scale == VScale::per_channel
-                                       ? "[batch, heads_kv, head_dim]"
+                                       ? "[batch, heads_kv, head_dim_v]"
                                        : "[batch, heads_kv]";
   const struct {
     const TensorView* t;
@@ -270,27 +296,7 @@ Problem check_args(const AttentionArgs& a, DeviceKind device) {
 
   // ---- shapes ----
   const Dims q = dims_of(a.q, l), k = dims_of(a.k, l), v = dims_of(a.v, l);
-  if (q.head_dim < 1) throw Error("q", "head_dim must be >= 1 (got " + num(q.head_dim) + ")");
-  if (device == DeviceKind::cpu) {
-    if (q.head_dim > kCpuMaxHeadDim)
-      throw Error("q", "head_dim must be at most " + num(kCpuMaxHeadDim) + " on cpu (got " +
-                           num(q.head_dim) + ")");
-  } else {
-    const std::vector<int64_t> dims = gpu_head_dim_list();
-    bool supported = false, steps = true;  // steps: dims are every multiple of 8 in a range
-    std::string list;
-    for (size_t i = 0; i < dims.size(); ++i) {
-      supported = supported || dims[i] == q.head_dim;
-      steps = steps && (i == 0 || dims[i] == dims[i - 1] + kGpuHeadDimStep);
-      list += (list.empty() ? "" : ", ") + num(dims[i]);
-    }
-    if (!supported && steps && !dims.empty())
-      throw Error("q", "head_dim must be a multiple of " + num(kGpuHeadDimStep) + " from " +
-                           num(dims.front()) + " to " + num(dims.back()) + " on cuda (got " +
-                           num(q.head_dim) + ")");
-    if (!supported)
-      throw Error("q", "head_dim must be one of " + list + " on cuda (got " + num(q.head_dim) + ")");
-  }
+  check_head_dim(q.head_dim, "q", device);
   if (k.batch != q.batch)
     throw Error("k", "batch must equal q's batch " + num(q.batch) + " (got " + num(k.batch) + ")");
   if (k.head_dim != q.head_dim)
@@ -306,13 +312,15 @@ Problem check_args(const AttentionArgs& a, DeviceKind device) {
     throw Error("v", "heads must equal k's heads " + num(k.heads) + " (got " + num(v.heads) + ")");
   if (v.tokens != k.tokens)
     throw Error("v", "tokens must equal k's tokens " + num(k.tokens) + " (got " + num(v.tokens) + ")");
-  if (v.head_dim != q.head_dim)
-    throw Error("v", "head_dim must equal q's head_dim " + num(q.head_dim) + " (got " +
-                         num(v.head_dim) + ")");
+  // V may have its own head dim (DeepSeek MLA: 192 for Q and K, 128 for V); out has V's.
+  check_head_dim(v.head_dim, "v", device);
+  int64_t out_shape[4];
+  std::copy(a.q.shape, a.q.shape + 4, out_shape);
+  out_shape[3] = v.head_dim;
   for (int i = 0; i < 4; ++i)
-    if (a.out.shape[i] != a.q.shape[i])
-      throw Error("out", "shape must equal q's shape " + shape_str(a.q) + " (got " +
-                             shape_str(a.out) + ")");
+    if (a.out.shape[i] != out_shape[i])
+      throw Error("out", "shape must equal q's shape with v's head_dim as its last dim, " +
+                             join(out_shape, 4) + " (got " + shape_str(a.out) + ")");
 
   if (a.lse.defined()) {
     if (a.lse.dtype != DType::f32)
@@ -327,7 +335,7 @@ Problem check_args(const AttentionArgs& a, DeviceKind device) {
     check_scale(a.q_scale, "q_scale", {q.batch, q.heads, q.tokens}, scales[0].dims);
     check_scale(a.k_scale, "k_scale", {k.batch, k.heads, k.tokens}, scales[1].dims);
     if (a.recipe.v_scale == VScale::per_channel)
-      check_scale(a.v_scale, "v_scale", {k.batch, k.heads, q.head_dim}, scales[2].dims);
+      check_scale(a.v_scale, "v_scale", {k.batch, k.heads, v.head_dim}, scales[2].dims);
     else
       check_scale(a.v_scale, "v_scale", {k.batch, k.heads}, scales[2].dims);
   }
@@ -346,6 +354,7 @@ Problem check_args(const AttentionArgs& a, DeviceKind device) {
   p.n_q = q.tokens;
   p.n_kv = k.tokens;
   p.head_dim = q.head_dim;
+  p.head_dim_v = v.head_dim;
   p.sm_scale = a.sm_scale ? *a.sm_scale
                           : static_cast<float>(1.0 / std::sqrt(static_cast<double>(q.head_dim)));
   const KeyWindow w = normalized_window(a.causal, a.window_left, a.window_right, p.n_q, p.n_kv);
@@ -360,13 +369,14 @@ Problem check_kv_args(const AttentionArgs& a, DeviceKind device) {
   require_4d(a.v, "v", a.layout);
   // The K/V half is checked as the self-attention call q = k would be: every rule about k, v
   // and their scales is the one check_args applies. q's stand-in is k itself (so an error
-  // about it is an error about k), and out's a fresh contiguous view of q's shape that is
-  // never dereferenced.
+  // about it is an error about k), and out's a fresh contiguous view of q's shape with v's
+  // head dim that is never dereferenced.
   AttentionArgs self = a;
   self.q = a.k;
   self.q_scale = a.k_scale;
   self.lse = TensorView{};
   self.out = a.k;
+  self.out.shape[3] = a.v.shape[3];
   self.out.dtype = a.recipe.inputs == Inputs::prequantized_int8 ? DType::f16 : a.k.dtype;
   int64_t stride = 1;
   for (int i = 3; i >= 0; --i) {

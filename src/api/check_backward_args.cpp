@@ -97,6 +97,17 @@ void check_gradient_dtype(const TensorView& t, const char* name) {
                           dtype_name(t.dtype) + ")");
 }
 
+// The forward takes a V head dim of its own (attention.h); the backward does not: its gradients
+// (dP = dO V^T, dV = P^T dO) are built for one head dim. Checked before the forward's rules, so
+// that an out of q's shape is not reported first. Views that are not 4-d are check_args' to name.
+void check_v_head_dim(const BackwardArgs& a) {
+  if (!a.q.defined() || !a.v.defined() || a.q.ndim != 4 || a.v.ndim != 4) return;
+  if (a.v.shape[3] != a.q.shape[3])
+    throw Error("v", "head_dim must equal q's head_dim " + std::to_string(a.q.shape[3]) +
+                         " for the backward (got " + std::to_string(a.v.shape[3]) +
+                         "): only the forward takes a V head dim of its own");
+}
+
 // The forward call a backward call implies, for check_args: its out and lse are the
 // backward's (out standing in when absent).
 AttentionArgs forward_of(const BackwardArgs& a) {
@@ -124,6 +135,7 @@ Problem check_backward_args(const BackwardArgs& a, DeviceKind device) {
   if (a.recipe.inputs != Inputs::floating)
     throw Error("recipe.inputs", "the backward needs floating inputs (prequantized INT8 inputs "
                                  "have no gradient)");
+  check_v_head_dim(a);
   const Problem p = check_args(forward_of(a), device);
   check_like(a.dout, "dout", a.q, "q", a.layout, device);
   if (a.dout.dtype != a.q.dtype)

@@ -186,8 +186,8 @@ Problem check_packed_call(const VarlenArgs& a, DeviceKind kind) {
                                  "(prequantized INT8 scales have no packed form yet)");
   require_rank(a.q, "q", 3, "[total_q, heads_q, head_dim]");
   require_rank(a.k, "k", 3, "[total_k, heads_kv, head_dim]");
-  require_rank(a.v, "v", 3, "[total_k, heads_kv, head_dim]");
-  require_rank(a.out, "out", 3, "[total_q, heads_q, head_dim]");
+  require_rank(a.v, "v", 3, "[total_k, heads_kv, head_dim_v]");
+  require_rank(a.out, "out", 3, "[total_q, heads_q, head_dim_v]");
   if (a.lse.defined()) require_rank(a.lse, "lse", 2, "[heads_q, total_q] (f32)");
   for (const auto& [view, name] : {std::pair{&a.cu_seqlens_q, "cu_seqlens_q"}, std::pair{&a.cu_seqlens_k, "cu_seqlens_k"}}) {
     if (kind == DeviceKind::cuda) check_device_offsets_view(*view, name, a.q.device);
@@ -197,8 +197,10 @@ Problem check_packed_call(const VarlenArgs& a, DeviceKind kind) {
     throw Error("cu_seqlens_k", "must have cu_seqlens_q's length batch + 1 = " +
                                     num(a.cu_seqlens_q.shape[0]) + " (got " +
                                     num(a.cu_seqlens_k.shape[0]) + ")");
-  require_shape(a.v, "v", {a.k.shape[0], a.k.shape[1], a.k.shape[2]}, "k's shape");
-  require_shape(a.out, "out", {a.q.shape[0], a.q.shape[1], a.q.shape[2]}, "q's shape");
+  // V may have its own head dim; out is q's shape with V's.
+  require_shape(a.v, "v", {a.k.shape[0], a.k.shape[1]}, "[total_k, heads_kv] of k's shape");
+  require_shape(a.out, "out", {a.q.shape[0], a.q.shape[1], a.v.shape[2]},
+                "q's shape with v's head_dim as its last dim, [total_q, heads_q, head_dim_v]");
   if (a.lse.defined()) require_shape(a.lse, "lse", {a.q.shape[1], a.q.shape[0]}, "[heads_q, total_q]");
   return check_args(dense_call(a, 0, a.q.shape[0], 0, a.k.shape[0]), kind);
 }
@@ -249,6 +251,7 @@ VarlenProblem check_varlen_args(const VarlenArgs& a) {
   p.total_q = whole.n_q;
   p.total_k = whole.n_kv;
   p.head_dim = whole.head_dim;
+  p.head_dim_v = whole.head_dim_v;
   p.cu_seqlens_q = read_offsets(a.cu_seqlens_q, "cu_seqlens_q", p.total_q, "q");
   p.cu_seqlens_k = read_offsets(a.cu_seqlens_k, "cu_seqlens_k", p.total_k, "k");
   check_max_seqlen(a.max_seqlen_q, p.cu_seqlens_q, "max_seqlen_q");

@@ -137,6 +137,11 @@ Dims strides_of(const TensorView& t, Layout layout) {
   return {t.strides[0], t.strides[2], t.strides[1]};
 }
 
+// The head dim the kernels' tiles are chosen for (tile.h, call_head_dim): the larger of Q/K's
+// and V's, the other tensor's channels zero-padded in the workspace and bounded in every load
+// and store.
+int64_t tile_head_dim(const Problem& pr) { return call_head_dim(pr.head_dim, pr.head_dim_v); }
+
 struct WorkspaceLayout {
   size_t k, vt, k_scale, k_mean, v_scale, v_mean, v_inv, k_amax, qk_balance, qk_balance_active,
       q_amax, v_block_scale, total;
@@ -151,7 +156,7 @@ WorkspaceLayout workspace_layout(const Problem& pr, sm90::PVPath path) {
   w.heads = heads;
   // The workspace's channels per head: the caller's head dim padded with zero channels
   // (quant/kv_layout.h).
-  const size_t d = size_t(quant::kv_layout_head_dim(int(pr.head_dim)));
+  const size_t d = size_t(quant::kv_layout_head_dim(int(tile_head_dim(pr))));
   size_t off = 0;
   auto take = [&](size_t bytes) {
     const size_t at = off;
@@ -258,6 +263,7 @@ void run_quantize_kv(const AttentionArgs& args, const Problem& pr, const KernelV
   qp.batch = int(pr.batch), qp.heads_kv = int(pr.heads_kv), qp.n_kv = int(pr.n_kv);
   qp.n_pad = w.n_pad;
   qp.head_dim = int(pr.head_dim);
+  qp.head_dim_v = int(pr.head_dim_v);
   qp.k_granularity = r.qk_granularity;
   qp.k_max = qk_format_max(r);
   qp.smooth_k = r.smooth_k, qp.smooth_v = r.smooth_v;
@@ -335,6 +341,7 @@ void run_attention(const AttentionArgs& args, const Problem& pr, const KernelVar
   ap.smooth_k = r.smooth_k, ap.smooth_v = r.smooth_v;
   ap.window_left = int(pr.window_left), ap.window_right = int(pr.window_right);
   ap.head_dim = int(pr.head_dim);
+  ap.head_dim_v = int(pr.head_dim_v);
   ap.smooth_q = r.smooth_q;
   ap.quantized_row_sum = r.row_sum == RowSum::quantized_p;
   ap.lse2 = lse2;
@@ -380,7 +387,7 @@ void run_step(Step step, const AttentionArgs& args, const Problem& pr, const Ker
   // quantize_kv of prequantized inputs never reads T; any instantiation serves.
   const DType t = preq ? (step == Step::attention ? args.out.dtype : DType::f16) : args.k.dtype;
   const bool bf16 = t == DType::bf16;
-  const int d = int(pr.head_dim);
+  const int d = int(tile_head_dim(pr));
 #define SAGE_DISPATCH_KV_DIM(D)                                                            \
   if (step == Step::quantize_kv && d % 8 == 0 && quant::kv_layout_head_dim(d) == D) {      \
     if (bf16) run_quantize_kv<D, __nv_bfloat16>(args, pr, v, ws, s, varlen);               \
@@ -398,7 +405,7 @@ void run_step(Step step, const AttentionArgs& args, const Problem& pr, const Ker
 #undef SAGE_DISPATCH_DIM
 #undef SAGE_DISPATCH_KV_DIM
   throw Error(step == Step::attention ? "q" : "k",
-              "head_dim " + std::to_string(pr.head_dim) + " has no kernel in this build (built: " +
+              "head_dim " + std::to_string(d) + " has no kernel in this build (built: " +
                   SAGE_HEAD_DIMS_STRING + ")");
 }
 
@@ -440,11 +447,20 @@ void check_row_sum(const Recipe& r, const KernelVariant& v, int64_t head_dim) {
   }
 }
 
+// Prequantized INT8 inputs with a V head dim of their own have no GPU test yet (the simulator
+// runs them), so the GPU path refuses them rather than run them unchecked.
+void refuse_prequantized_v_head_dim(const Recipe& r, const Problem& pr) {
+  if (r.inputs == Inputs::prequantized_int8 && pr.head_dim_v != pr.head_dim)
+    throw Error("v", "head_dim must equal q's head_dim " + std::to_string(pr.head_dim) + " for prequantized INT8 "
+                     "inputs on the GPU (got " + std::to_string(pr.head_dim_v) + "); the CPU simulator runs it");
+}
+
 Checked check_gpu_call(const AttentionArgs& args) {
   const Problem pr = check_args(args, DeviceKind::cuda);
+  refuse_prequantized_v_head_dim(args.recipe, pr);
   const KernelVariant v = check_gpu_recipe(args.recipe);
-  check_variant_at_head_dim(args.recipe, v, pr.head_dim);
-  check_row_sum(args.recipe, v, pr.head_dim);
+  check_variant_at_head_dim(args.recipe, v, tile_head_dim(pr));
+  check_row_sum(args.recipe, v, tile_head_dim(pr));
   check_alignment("q", args.q, 8);
   check_alignment("k", args.k, 8);
   check_alignment("v", args.v, 8);
@@ -463,8 +479,9 @@ void refuse_balance_in_two_steps(const Recipe& r, const char* entry) {
 Checked check_gpu_kv(const AttentionArgs& args) {
   const Problem pr = check_kv_args(args, DeviceKind::cuda);
   refuse_balance_in_two_steps(args.recipe, "quantize_kv");
+  refuse_prequantized_v_head_dim(args.recipe, pr);
   const KernelVariant v = check_gpu_recipe(args.recipe);
-  check_variant_at_head_dim(args.recipe, v, pr.head_dim);
+  check_variant_at_head_dim(args.recipe, v, tile_head_dim(pr));
   check_alignment("k", args.k, 8);
   check_alignment("v", args.v, 8);
   return {pr, v, workspace_layout(pr, v.path).total};
@@ -475,11 +492,13 @@ Checked check_gpu_kv(const AttentionArgs& args) {
 size_t workspace_bytes(const AttentionArgs& args) { return check_gpu_call(args).workspace; }
 
 size_t kv_workspace_bytes(int64_t batch, int64_t heads_kv, int64_t n_kv, int64_t head_dim,
-                          const Recipe& recipe) {
+                          const Recipe& recipe, int64_t head_dim_v) {
+  if (head_dim_v == -1) head_dim_v = head_dim;
   const struct {
     const char* name;
     int64_t value;
-  } dims[] = {{"batch", batch}, {"heads_kv", heads_kv}, {"n_kv", n_kv}, {"head_dim", head_dim}};
+  } dims[] = {{"batch", batch}, {"heads_kv", heads_kv}, {"n_kv", n_kv}, {"head_dim", head_dim},
+              {"head_dim_v", head_dim_v}};
   for (const auto& d : dims)
     if (d.value < 0) throw Error(d.name, "must be >= 0 (got " + std::to_string(d.value) + ")");
   validate_recipe(recipe);
@@ -488,6 +507,7 @@ size_t kv_workspace_bytes(int64_t batch, int64_t heads_kv, int64_t n_kv, int64_t
   Problem pr;
   pr.batch = batch, pr.heads_kv = heads_kv, pr.heads_q = heads_kv, pr.n_kv = n_kv;
   pr.head_dim = head_dim;
+  pr.head_dim_v = head_dim_v;
   return workspace_layout(pr, v.path).total;
 }
 
@@ -566,8 +586,8 @@ CheckedVarlen check_gpu_varlen(const VarlenArgs& args) {
   VarlenGpuCall call = check_varlen_args_gpu(args);
   const Recipe& r = args.recipe;
   const KernelVariant v = check_gpu_recipe(r);
-  check_variant_at_head_dim(r, v, call.problem.head_dim);
-  check_row_sum(r, v, call.problem.head_dim);
+  check_variant_at_head_dim(r, v, tile_head_dim(call.problem));
+  check_row_sum(r, v, tile_head_dim(call.problem));
   // On the 4-d per-sequence views, whose last stride is head_dim's 1 (check_alignment reads
   // the first three).
   check_alignment("q", call.dense.q, 8);
@@ -592,12 +612,14 @@ CheckedVarlen check_gpu_varlen(const VarlenArgs& args) {
 size_t varlen_workspace_bytes(const VarlenArgs& args) { return check_gpu_varlen(args).workspace; }
 
 size_t varlen_workspace_bytes(int64_t batch, int64_t heads_kv, int64_t max_seqlen_k,
-                              int64_t total_k, int64_t head_dim, const Recipe& recipe) {
+                              int64_t total_k, int64_t head_dim, const Recipe& recipe,
+                              int64_t head_dim_v) {
+  if (head_dim_v == -1) head_dim_v = head_dim;
   const struct {
     const char* name;
     int64_t value;
   } dims[] = {{"batch", batch}, {"heads_kv", heads_kv}, {"max_seqlen_k", max_seqlen_k},
-              {"total_k", total_k}, {"head_dim", head_dim}};
+              {"total_k", total_k}, {"head_dim", head_dim}, {"head_dim_v", head_dim_v}};
   for (const auto& d : dims)
     if (d.value < 0) throw Error(d.name, "must be >= 0 (got " + std::to_string(d.value) + ")");
   validate_recipe(recipe);
@@ -606,6 +628,7 @@ size_t varlen_workspace_bytes(int64_t batch, int64_t heads_kv, int64_t max_seqle
   pr.batch = batch, pr.heads_kv = heads_kv, pr.heads_q = heads_kv;
   pr.n_kv = std::min(max_seqlen_k, total_k);  // as check_varlen_args_gpu
   pr.head_dim = head_dim;
+  pr.head_dim_v = head_dim_v;
   return workspace_layout(pr, v.path).total;
 }
 

@@ -46,6 +46,14 @@ constexpr SAGE_HD int kernel_head_dim(int head_dim) {
   return head_dim <= 64 ? 64 : head_dim <= 96 ? 96 : head_dim <= 128 ? 128 : 256;
 }
 
+// The head dim a call's tile is chosen for (kernel_head_dim, tile_config, the rules above): one
+// tile holds Q/K's channels (the QK product's depth) and V's (the PV product's width), so where
+// V has a head dim of its own (MLA: 192 / 128) the larger one decides; the other tensor's
+// channels are zero-padded in the kernel and the simulator alike.
+constexpr SAGE_HD int call_head_dim(int64_t head_dim, int64_t head_dim_v) {
+  return static_cast<int>(head_dim > head_dim_v ? head_dim : head_dim_v);
+}
+
 // One function decides the tiles, for every head dim and recipe.
 constexpr SAGE_HD TileConfig tile_config(int head_dim) {
   return TileConfig{64 * consumer_warpgroups(head_dim), 128};

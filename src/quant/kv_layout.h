@@ -66,9 +66,10 @@ struct KVQuantParams {
   Granularity k_granularity;
   int k_max;  // the largest K code: 127 (int8) or 7 (int4 values)
   bool smooth_k, smooth_v;
-  // The caller's head dim (a multiple of 8, at most the pre-pass's D = kv_layout_head_dim):
-  // channels from it on are read as zeros, so the workspace's padding channels are zero.
-  int head_dim;
+  // The caller's head dims of K and of V (multiples of 8, at most the pre-pass's D =
+  // kv_layout_head_dim; V's differs for shapes like MLA's 192 / 128): channels from them on
+  // are read as zeros, so the workspace's padding channels are zero.
+  int head_dim, head_dim_v;
   int k_mean_stride;  // K's statistics over keys 0, stride, ... (recipe.k_mean_stride)
   // Set by launch_kv_prepass: the keys the stride samples, and the statistics CTAs (of each
   // head's cluster) that read them.

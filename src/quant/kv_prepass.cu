@@ -195,7 +195,7 @@ __global__ void __cluster_dims__(Ctas, 1, 1) __launch_bounds__(kThreads, 4)
   // another: v29).
   const int first = (is_v ? rank - k_ctas : rank) * kRowsPerIter + r0;
   // Channels past the caller's head dim (the workspace's padding, kv_layout.h) count as zeros.
-  const bool lane_in = lane_c * 8 < p.head_dim;
+  const bool lane_in = lane_c * 8 < (is_v ? p.head_dim_v : p.head_dim);
   for (int t = first; t < rows; t += kStatsUnroll * step) {
     uint4 raw[kStatsUnroll];
 #pragma unroll
@@ -586,7 +586,7 @@ __device__ __forceinline__ void quantize_v_tile(const KVQuantParams& p, int tile
     for (int i = 0; i < 4; ++i) {
       const int t = tile * kKVTile + token_at(unit_quad(k), i);
       // Zeros past n_kv (padding never counts toward a scale) and past the head dim.
-      raw[k][i] = (kFull || t < p.n_kv) && unit_chunk(k) * 8 < p.head_dim ? *reinterpret_cast<const uint4*>(
+      raw[k][i] = (kFull || t < p.n_kv) && unit_chunk(k) * 8 < p.head_dim_v ? *reinterpret_cast<const uint4*>(
                                             vb + (int64_t)t * p.v_stride_n + unit_chunk(k) * 8)
                                       : make_uint4(0, 0, 0, 0);
     }
@@ -687,7 +687,7 @@ __global__ void __launch_bounds__(kThreads) kv_copy_prequantized_kernel(const KV
   if (tile == 0 && threadIdx.x < D) {
     const int c = threadIdx.x;
     const float* vs = p.v_scale_in + b * p.vs_stride_b + h * p.vs_stride_h;
-    p.out.v_scale[head * D + c] = c >= p.head_dim ? 0.f : p.v_per_tensor ? vs[0] : vs[c * p.vs_stride_c];
+    p.out.v_scale[head * D + c] = c >= p.head_dim_v ? 0.f : p.v_per_tensor ? vs[0] : vs[c * p.vs_stride_c];
     p.out.k_mean[head * D + c] = 0.f;
     p.out.v_mean[head * D + c] = 0.f;
   }
@@ -704,10 +704,8 @@ __global__ void __launch_bounds__(kThreads) kv_copy_prequantized_kernel(const KV
     const int r = r0 + i * kRowsPerIter;
     const int t = tile * kKVTile + r;
     uint2 kw = make_uint2(0, 0), vw = make_uint2(0, 0);
-    if (t < p.n_kv && lane_c * 8 < p.head_dim) {
-      kw = *reinterpret_cast<const uint2*>(kb + (int64_t)t * p.k_stride_n);
-      vw = *reinterpret_cast<const uint2*>(vb + (int64_t)t * p.v_stride_n);
-    }
+    if (t < p.n_kv && lane_c * 8 < p.head_dim) kw = *reinterpret_cast<const uint2*>(kb + (int64_t)t * p.k_stride_n);
+    if (t < p.n_kv && lane_c * 8 < p.head_dim_v) vw = *reinterpret_cast<const uint2*>(vb + (int64_t)t * p.v_stride_n);
     *reinterpret_cast<uint2*>(kq + (int64_t)r * D) = kw;
     const int pos = 32 * (r / 32) + pv_position_of_token(r % 32);
 #pragma unroll
@@ -736,9 +734,9 @@ __global__ void __launch_bounds__(kThreads) v_block_amax_kernel(const KVQuantPar
   for (int e = threadIdx.x; e < kKVTile * D / 8; e += kThreads) {
     const int r = e / (D / 8), c0 = 8 * (e % (D / 8));
     const int t = tile * kKVTile + r;
-    // The caller's channels only: past head_dim the workspace's channels are zeros (the
+    // The caller's channels only: past V's head dim the workspace's channels are zeros (the
     // padded head dims), and the tensor's row may end there.
-    if (t >= p.n_kv || c0 >= p.head_dim) continue;
+    if (t >= p.n_kv || c0 >= p.head_dim_v) continue;
     float x[8];
     gpu::unpack8<T>(*reinterpret_cast<const uint4*>(vb + (int64_t)t * p.v_stride_n + c0), x);
 #pragma unroll

@@ -18,9 +18,9 @@ void dequantize_inputs(const AttentionArgs& a, const Problem& p, std::vector<dou
                        std::vector<double>& k, std::vector<double>& v) {
   const std::vector<double> qs = read_flat_f64(a.q_scale);  // [b, hq, nq]
   const std::vector<double> ks = read_flat_f64(a.k_scale);  // [b, hkv, nkv]
-  const std::vector<double> vs = read_flat_f64(a.v_scale);  // [b, hkv] or [b, hkv, d]
+  const std::vector<double> vs = read_flat_f64(a.v_scale);  // [b, hkv] or [b, hkv, d_v]
   const bool v_per_channel = a.v_scale.ndim == 3;
-  const int64_t d = p.head_dim;
+  const int64_t d = p.head_dim, dv = p.head_dim_v;
   for (size_t t = 0; t < qs.size(); ++t)
     for (int64_t c = 0; c < d; ++c) q[t * d + c] *= qs[t];
   for (size_t t = 0; t < ks.size(); ++t)
@@ -28,8 +28,8 @@ void dequantize_inputs(const AttentionArgs& a, const Problem& p, std::vector<dou
   const int64_t bh = p.batch * p.heads_kv;
   for (int64_t x = 0; x < bh; ++x)
     for (int64_t j = 0; j < p.n_kv; ++j)
-      for (int64_t c = 0; c < d; ++c)
-        v[(x * p.n_kv + j) * d + c] *= v_per_channel ? vs[x * d + c] : vs[x];
+      for (int64_t c = 0; c < dv; ++c)
+        v[(x * p.n_kv + j) * dv + c] *= v_per_channel ? vs[x * dv + c] : vs[x];
 }
 
 // One query head's tensors for the exact backward, dense [tokens][d] in double.
@@ -120,13 +120,13 @@ void exact(const AttentionArgs& args) {
   std::vector<double> v = read_bhnd_f64(args.v, args.layout);
   if (args.recipe.inputs == Inputs::prequantized_int8) dequantize_inputs(args, p, q, k, v);
 
-  const int64_t d = p.head_dim, nq = p.n_q, nkv = p.n_kv;
+  const int64_t d = p.head_dim, dv = p.head_dim_v, nq = p.n_q, nkv = p.n_kv;
   const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
   // Without an explicit scale the reference uses 1/sqrt(d) in double, not its float rounding
   // (Problem::sm_scale), so that it is softmax(Q K^T / sqrt(d)) to float64 accuracy.
   const double scale = args.sm_scale ? static_cast<double>(*args.sm_scale)
                                      : 1.0 / std::sqrt(static_cast<double>(d));
-  std::vector<double> out(static_cast<size_t>(p.batch * p.heads_q * nq * d), 0.0);
+  std::vector<double> out(static_cast<size_t>(p.batch * p.heads_q * nq * dv), 0.0);
   std::vector<double> lse(static_cast<size_t>(p.batch * p.heads_q * nq),
                           -std::numeric_limits<double>::infinity());
   const KeyWindow window{p.window_left, p.window_right};
@@ -136,9 +136,9 @@ void exact(const AttentionArgs& args) {
     const double* qh = q.data() + bh * nq * d;
     const int64_t kvh = b * p.heads_kv + h / group;
     const double* kh = k.data() + kvh * nkv * d;
-    const double* vh = v.data() + kvh * nkv * d;
+    const double* vh = v.data() + kvh * nkv * dv;
     std::vector<double> s(static_cast<size_t>(nkv));
-    std::vector<double> acc(static_cast<size_t>(d));
+    std::vector<double> acc(static_cast<size_t>(dv));
     for (int64_t i = 0; i < nq; ++i) {
       // Bottom-right alignment (numerics/mask.h): the keys row i sees are one interval.
       const KeyRange keys = visible_keys(i, nq, nkv, window);
@@ -155,10 +155,10 @@ void exact(const AttentionArgs& args) {
       for (int64_t j = keys.begin; j < keys.end; ++j) {
         const double e = std::exp(s[j] - m);
         l += e;
-        for (int64_t c = 0; c < d; ++c) acc[c] += e * vh[j * d + c];
+        for (int64_t c = 0; c < dv; ++c) acc[c] += e * vh[j * dv + c];
       }
-      double* o = out.data() + (bh * nq + i) * d;
-      for (int64_t c = 0; c < d; ++c) o[c] = acc[c] / l;
+      double* o = out.data() + (bh * nq + i) * dv;
+      for (int64_t c = 0; c < dv; ++c) o[c] = acc[c] / l;
       lse[bh * nq + i] = m + std::log(l);
     }
   });

@@ -30,7 +30,7 @@ struct Forward {
   std::vector<float> k;           // dense (b, h_kv, n_kv, d): K after smoothing (K')
   std::vector<KVHead> kv;         // per KV head
   std::vector<QKOperand> q_ops;   // per query head, kept when run_forward is asked to
-  std::vector<float> out;         // dense (b, h_q, n_q, d), before rounding to out's dtype
+  std::vector<float> out;         // dense (b, h_q, n_q, d_v), before rounding to out's dtype
   std::vector<float> lse;         // natural log of the true scores; -inf for a row without keys
   // m + log2f(l) of each row: the log-sum in the base-2 logit domain of the QK stage (the
   // smoothed, quantized scores), from which the backward rebuilds P. -inf without keys.

@@ -26,6 +26,10 @@ using sim::KVHead;
 
 constexpr float kLn2 = 0.6931471805599453f;
 
+// The head dim of the kernel tile that runs the call (tile.h, call_head_dim): what tile_config
+// and the rules derived from the kernel's head dim (row_sum_in_pv_mma, p_scale_fold) take.
+int tile_head_dim(const Problem& p) { return call_head_dim(p.head_dim, p.head_dim_v); }
+
 // qk_channel_balance: the channel ranges of the group's Q heads (q_group: n_q_heads heads of
 // n_q tokens) and of K', both over the tokens K's statistics sample (every k_mean_stride-th,
 // as the GPU's statistics passes read) set s_c; K' takes * s_c here, Q / s_c in prepare_q. After K smoothing, so that
@@ -44,7 +48,7 @@ void balance_k(float* k, const float* q_group, int64_t n_q_heads, const Problem&
 KVHead prepare_kv(float* k, float* v, const float* q_group, const Problem& p, const Recipe& r,
                   TileConfig tc) {
   KVHead h;
-  const int64_t n = p.n_kv, d = p.head_dim;
+  const int64_t n = p.n_kv, d = p.head_dim, dv = p.head_dim_v;
   if (r.smooth_k) {
     h.k_mean = sim::channel_mean(k, n, d, r.k_mean_stride);
     sim::subtract_channel_mean(k, n, d, h.k_mean.data());
@@ -55,10 +59,10 @@ KVHead prepare_kv(float* k, float* v, const float* q_group, const Problem& p, co
   }
   h.k = sim::quantize_qk(k, n, d, r.qk_format, r.qk_granularity, /*is_q=*/false, tc);
   if (r.smooth_v) {
-    h.v_mean = sim::channel_mean(v, n, d);
-    sim::subtract_channel_mean(v, n, d, h.v_mean.data());
+    h.v_mean = sim::channel_mean(v, n, dv);
+    sim::subtract_channel_mean(v, n, dv, h.v_mean.data());
   }
-  h.v = sim::quantize_v(v, n, d, r, tc.block_kv);
+  h.v = sim::quantize_v(v, n, dv, r, tc.block_kv);
   return h;
 }
 
@@ -119,8 +123,8 @@ RowPlan plan_rows(const Recipe& r, const Problem& p, TileConfig tc) {
   pl.int_max = rules::integer_row_max(r);
   pl.p_in_exponent = rules::p_scale_in_exponent(r);
   pl.exp_scale = pl.p_in_exponent ? pl.pmax : 1.f;
-  pl.p_fold = rules::p_scale_fold(pl.exp_scale, static_cast<int>(p.head_dim));
-  pl.row_sum_mma = rules::row_sum_in_pv_mma(r, static_cast<int>(p.head_dim));
+  pl.p_fold = rules::p_scale_fold(pl.exp_scale, tile_head_dim(p));
+  pl.row_sum_mma = rules::row_sum_in_pv_mma(r, tile_head_dim(p));
   return pl;
 }
 
@@ -176,13 +180,13 @@ void attend_tile(const RowPlan& pl, const sim::QKOperand& qop, int64_t i, const 
   sim::softmax_add_row_sum(st, alpha, row_sum);
 }
 
-// Step 10: the output row from O and l.
+// Step 10: the output row (V's head_dim_v channels) from O and l.
 // Rows without keys (l = 0) stay 0; a NaN l (a non-finite input reached the row) gives NaN.
 void finish_row(const RowPlan& pl, const KVHead& kvh, const sim::RowState& st, const float* O,
-                int64_t d, float* o) {
+                int64_t dv, float* o) {
   if (st.l <= 0.f) return;
   const bool scale_at_end = pl.static_p || !kvh.v.channel_scale.empty();
-  for (int64_t c = 0; c < d; ++c) {
+  for (int64_t c = 0; c < dv; ++c) {
     // Static P and V scales fold into one multiplier per channel; the fp4, fp16 and per-tile
     // scaled (SageBwd) paths already carry dequantized values.
     const float vs = kvh.v.channel_scale.empty() ? 1.f : kvh.v.channel_scale[c];
@@ -197,7 +201,7 @@ void finish_row(const RowPlan& pl, const KVHead& kvh, const sim::RowState& st, c
 void prepare_kv_heads(const AttentionArgs& args, const Problem& p, const std::vector<float>& q,
                       sim::Forward& f) {
   const Recipe& r = args.recipe;
-  const int64_t d = p.head_dim, nkv = p.n_kv;
+  const int64_t d = p.head_dim, dv = p.head_dim_v, nkv = p.n_kv;
   f.k = read_bhnd_f32(args.k, args.layout);
   std::vector<float> v = read_bhnd_f32(args.v, args.layout);
   f.kv.resize(static_cast<size_t>(p.batch * p.heads_kv));
@@ -207,10 +211,10 @@ void prepare_kv_heads(const AttentionArgs& args, const Problem& p, const std::ve
   const std::vector<double> v_scale = preq ? read_flat_f64(args.v_scale) : std::vector<double>{};
   parallel_for(p.batch * p.heads_kv, [&](int64_t x) {
     float* kh = f.k.data() + x * nkv * d;
-    float* vh = v.data() + x * nkv * d;
+    float* vh = v.data() + x * nkv * dv;
     if (preq) {
       f.kv[x].k = sim::prequantized_qk(kh, k_scale.data() + x * nkv, nkv, d);
-      f.kv[x].v = sim::prequantized_v(vh, nkv, d, v_scale.data() + x * (v_per_channel ? d : 1),
+      f.kv[x].v = sim::prequantized_v(vh, nkv, dv, v_scale.data() + x * (v_per_channel ? dv : 1),
                                       v_per_channel);
     } else {
       // The Q heads of KV head x are contiguous in the dense (b, h_q, n_q, d) copy.
@@ -250,9 +254,9 @@ void attend_head(const AttentionArgs& args, const RowPlan& pl, const QHead& qh, 
   const Recipe& r = args.recipe;
   const Problem& p = f.p;
   const TileConfig tc = f.tc;
-  const int64_t d = p.head_dim, nq = p.n_q, nkv = p.n_kv;
+  const int64_t d = p.head_dim, dv = p.head_dim_v, nq = p.n_q, nkv = p.n_kv;
   RowScratch x(tc.block_kv);
-  std::vector<float> O(static_cast<size_t>(d));
+  std::vector<float> O(static_cast<size_t>(dv));
   std::vector<float> ds;  // smooth_q: the logit bias of the current Q tile, per key
   int64_t ds_tile = -1;
   const KeyWindow window{p.window_left, p.window_right};
@@ -271,7 +275,7 @@ void attend_head(const AttentionArgs& args, const RowPlan& pl, const QHead& qh, 
       attend_tile(pl, qh.op, i, kvh, ds.data(), j0, std::min<int64_t>(tc.block_kv, keys.end - j0),
                   std::max<int64_t>(0, keys.begin - j0), st, O.data(), x);
     if (kvh.v.nonfinite) reach_masked_keys(kvh.v, keys, keys_loaded(p, i, tc), O.data());
-    finish_row(pl, kvh, st, O.data(), d, f.out.data() + (bh * nq + i) * d);
+    finish_row(pl, kvh, st, O.data(), dv, f.out.data() + (bh * nq + i) * dv);
     // K smoothing shifted every logit of this row by -sm_scale * q_i . mean(K); softmax
     // ignores that, the LSE must not.
     const bool shifted = r.smooth_k && r.inputs != Inputs::prequantized_int8;
@@ -291,7 +295,7 @@ Forward run_forward(const AttentionArgs& args, const Problem& p, bool keep_q_ope
   const bool preq = r.inputs == Inputs::prequantized_int8;
   Forward f;
   f.p = p;
-  f.tc = tile_config(static_cast<int>(p.head_dim));
+  f.tc = tile_config(tile_head_dim(p));
   f.sl2 = rules::sm_scale_log2(p.sm_scale);
   const int64_t d = p.head_dim, nq = p.n_q;
   const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
@@ -302,7 +306,7 @@ Forward run_forward(const AttentionArgs& args, const Problem& p, bool keep_q_ope
 
   // ---- per Q head: Q smoothing and quantization, then the tiled attention loop ----
   const std::vector<double> q_scale = preq ? read_flat_f64(args.q_scale) : std::vector<double>{};
-  f.out.assign(static_cast<size_t>(p.batch * p.heads_q * nq * d), 0.f);
+  f.out.assign(static_cast<size_t>(p.batch * p.heads_q * nq * p.head_dim_v), 0.f);
   f.lse.assign(static_cast<size_t>(p.batch * p.heads_q * nq), -std::numeric_limits<float>::infinity());
   f.lse2 = f.lse;
   if (keep_q_operands) f.q_ops.resize(static_cast<size_t>(p.batch * p.heads_q));

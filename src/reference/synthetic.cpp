@@ -109,7 +109,7 @@ TensorView SyntheticInputs::k_view() const {
   return view4(k.data(), DType::f16, shape.batch, shape.heads_kv, shape.n_kv, shape.head_dim);
 }
 TensorView SyntheticInputs::v_view() const {
-  return view4(v.data(), DType::f16, shape.batch, shape.heads_kv, shape.n_kv, shape.head_dim);
+  return view4(v.data(), DType::f16, shape.batch, shape.heads_kv, shape.n_kv, shape.v_dim());
 }
 
 const std::vector<std::string>& synthetic_distributions() {
@@ -139,22 +139,24 @@ SyntheticInputs make_synthetic(const std::string& distribution, const SyntheticS
                                     "'; allowed: " + list);
   }
   if (s.batch < 0 || s.heads_q < 0 || s.heads_kv < 0 || s.n_q < 0 || s.n_kv < 0 || s.head_dim < 1 ||
-      (s.heads_kv > 0 && s.heads_q % s.heads_kv != 0) || (s.heads_kv == 0 && s.heads_q != 0))
-    throw Error("shape", "synthetic shapes need sizes >= 0, head_dim >= 1 and heads_kv dividing heads_q");
+      s.head_dim_v < 0 || (s.heads_kv > 0 && s.heads_q % s.heads_kv != 0) ||
+      (s.heads_kv == 0 && s.heads_q != 0))
+    throw Error("shape", "synthetic shapes need sizes >= 0, head_dim >= 1, head_dim_v >= 0 (0: "
+                         "head_dim) and heads_kv dividing heads_q");
   const std::string name = distribution;
   SyntheticInputs in;
   in.shape = s;
   in.distribution = distribution;
   in.seed = seed;
-  const int64_t d = s.head_dim;
+  const int64_t d = s.head_dim, dv = s.v_dim();
   in.q.resize(static_cast<size_t>(s.batch * s.heads_q * s.n_q * d));
   in.k.resize(static_cast<size_t>(s.batch * s.heads_kv * s.n_kv * d));
-  in.v.resize(in.k.size());
+  in.v.resize(static_cast<size_t>(s.batch * s.heads_kv * s.n_kv * dv));
   const int64_t group = s.heads_kv > 0 ? s.heads_q / s.heads_kv : 1;
 
   // Per-head channel structure: biases and outlier factors (1 where a channel is ordinary).
-  auto channel_bias = [&](uint64_t tensor, int64_t b, int64_t h, double sigma) {
-    std::vector<double> bias(static_cast<size_t>(d), 0.0);
+  auto channel_bias = [&](uint64_t tensor, int64_t b, int64_t h, double sigma, int64_t channels) {
+    std::vector<double> bias(static_cast<size_t>(channels), 0.0);
     Rng rng(stream(seed, id, kBias * 16 + tensor, b, h));
     for (auto& x : bias) x = sigma * rng.normal();
     return bias;
@@ -193,23 +195,26 @@ SyntheticInputs make_synthetic(const std::string& distribution, const SyntheticS
       if (chosen[c]) offset[c] = ((rng.next() >> 63) ? 1.0 : -1.0) * (10.0 + 40.0 * rng.uniform());
     return offset;
   };
+  // Rows of bias.size() channels.
   auto fill = [&](std::vector<uint16_t>& dst, uint64_t tensor, int64_t b, int64_t h, int64_t n,
                   int64_t offset, const std::vector<double>& bias, const std::vector<double>& gain) {
+    const int64_t channels = static_cast<int64_t>(bias.size());
     Rng rng(stream(seed, id, tensor, b, h));
     for (int64_t t = 0; t < n; ++t)
-      for (int64_t c = 0; c < d; ++c)
-        dst[offset + t * d + c] = to_fp16(bias[c] + gain[c] * rng.normal());
+      for (int64_t c = 0; c < channels; ++c)
+        dst[offset + t * channels + c] = to_fp16(bias[c] + gain[c] * rng.normal());
   };
 
   const std::vector<double> zero(static_cast<size_t>(d), 0.0), one(static_cast<size_t>(d), 1.0);
   const std::vector<double> three(static_cast<size_t>(d), 3.0);
+  const std::vector<double> v_zero(static_cast<size_t>(dv), 0.0), v_one(static_cast<size_t>(dv), 1.0);
   for (int64_t b = 0; b < s.batch; ++b) {
     for (int64_t kvh = 0; kvh < s.heads_kv; ++kvh) {
       const int64_t off = (b * s.heads_kv + kvh) * s.n_kv * d;
       const std::vector<double> outl = name == "outliers" ? outlier_factors(b, kvh) : one;
       const bool offsets = name == "channel_offset";
       const std::vector<bool> offset_at = offsets ? offset_channels(b, kvh) : std::vector<bool>{};
-      const std::vector<double> kb = (name == "k_bias" || name == "qk_bias") ? channel_bias(kK, b, kvh, 5.0)
+      const std::vector<double> kb = (name == "k_bias" || name == "qk_bias") ? channel_bias(kK, b, kvh, 5.0, d)
                                      : offsets ? channel_offsets(offset_at, kK, b, kvh) : zero;
       // K's offset channels vary little around their mean (the bias dominates them), so the
       // offsets do not make the scores sharp: the ordinary channels carry the attention.
@@ -227,14 +232,14 @@ SyntheticInputs make_synthetic(const std::string& distribution, const SyntheticS
         if (s.n_kv > 0)
           for (int64_t c = 0; c < d; ++c) in.k[off + c] = to_fp16(gain * sink_dir[c]);
       }
-      const std::vector<double> vb = name == "v_bias" ? channel_bias(kV, b, kvh, 5.0)
-                                     : name == "sink" ? channel_bias(kV, b, kvh, 2.0) : zero;
-      fill(in.v, kV, b, kvh, s.n_kv, off, vb, one);
+      const std::vector<double> vb = name == "v_bias" ? channel_bias(kV, b, kvh, 5.0, dv)
+                                     : name == "sink" ? channel_bias(kV, b, kvh, 2.0, dv) : v_zero;
+      fill(in.v, kV, b, kvh, s.n_kv, (b * s.heads_kv + kvh) * s.n_kv * dv, vb, v_one);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = kvh * group + g;
         const int64_t qoff = (b * s.heads_q + h) * s.n_q * d;
         const std::vector<double> qb =
-            name == "qk_bias" ? channel_bias(kQ, b, h, 2.0) : name == "sink" ? sink_dir
+            name == "qk_bias" ? channel_bias(kQ, b, h, 2.0, d) : name == "sink" ? sink_dir
             : offsets ? channel_offsets(offset_at, kQ, b, h) : zero;
         fill(in.q, kQ, b, h, s.n_q, qoff, qb, name == "sharp" ? three : outl);
       }
@@ -244,7 +249,7 @@ SyntheticInputs make_synthetic(const std::string& distribution, const SyntheticS
 }
 
 std::vector<uint16_t> synthetic_output_gradient(const SyntheticShape& s, uint64_t seed) {
-  const int64_t d = s.head_dim;
+  const int64_t d = s.v_dim();
   std::vector<uint16_t> dout(static_cast<size_t>(s.batch * s.heads_q * s.n_q * d));
   for (int64_t b = 0; b < s.batch; ++b)
     for (int64_t h = 0; h < s.heads_q; ++h) {
@@ -263,7 +268,7 @@ TensorView PrequantizedInputs::k_view() const {
   return view4(k.data(), DType::i8, shape.batch, shape.heads_kv, shape.n_kv, shape.head_dim);
 }
 TensorView PrequantizedInputs::v_view() const {
-  return view4(v.data(), DType::i8, shape.batch, shape.heads_kv, shape.n_kv, shape.head_dim);
+  return view4(v.data(), DType::i8, shape.batch, shape.heads_kv, shape.n_kv, shape.v_dim());
 }
 TensorView PrequantizedInputs::q_scale_view() const {
   return contiguous_view(const_cast<float*>(q_scale.data()), DType::f32,
@@ -276,7 +281,7 @@ TensorView PrequantizedInputs::k_scale_view() const {
 TensorView PrequantizedInputs::v_scale_view() const {
   float* p = const_cast<float*>(v_scale.data());
   if (v_per_channel)
-    return contiguous_view(p, DType::f32, {shape.batch, shape.heads_kv, shape.head_dim});
+    return contiguous_view(p, DType::f32, {shape.batch, shape.heads_kv, shape.v_dim()});
   return contiguous_view(p, DType::f32, {shape.batch, shape.heads_kv});
 }
 
@@ -306,19 +311,20 @@ PrequantizedInputs prequantize_int8(const SyntheticInputs& in, bool v_per_channe
   quantize_rows(in.k, out.k, out.k_scale);
 
   const int64_t heads = in.shape.batch * in.shape.heads_kv, n = in.shape.n_kv;
+  const int64_t dv = in.shape.v_dim();
   out.v.resize(in.v.size());
-  out.v_scale.assign(static_cast<size_t>(heads * (v_per_channel ? d : 1)), 0.f);
+  out.v_scale.assign(static_cast<size_t>(heads * (v_per_channel ? dv : 1)), 0.f);
   for (int64_t x = 0; x < heads; ++x) {
-    std::vector<float> amax(static_cast<size_t>(d), 0.f);
+    std::vector<float> amax(static_cast<size_t>(dv), 0.f);
     for (int64_t t = 0; t < n; ++t)
-      for (int64_t c = 0; c < d; ++c)
-        amax[c] = std::max(amax[c], std::fabs(fmt::fp16_from_bits(in.v[(x * n + t) * d + c])));
+      for (int64_t c = 0; c < dv; ++c)
+        amax[c] = std::max(amax[c], std::fabs(fmt::fp16_from_bits(in.v[(x * n + t) * dv + c])));
     if (!v_per_channel) std::fill(amax.begin(), amax.end(), *std::max_element(amax.begin(), amax.end()));
-    for (int64_t c = 0; c < d; ++c) {
-      out.v_scale[x * (v_per_channel ? d : 1) + (v_per_channel ? c : 0)] = rules::symmetric_scale(amax[c], qmax);
+    for (int64_t c = 0; c < dv; ++c) {
+      out.v_scale[x * (v_per_channel ? dv : 1) + (v_per_channel ? c : 0)] = rules::symmetric_scale(amax[c], qmax);
       const float inv = rules::symmetric_inverse(amax[c], qmax);
       for (int64_t t = 0; t < n; ++t) {
-        const int64_t i = (x * n + t) * d + c;
+        const int64_t i = (x * n + t) * dv + c;
         out.v[i] = static_cast<int8_t>(rules::round_clamp(fmt::fp16_from_bits(in.v[i]) * inv, rules::kInt8Max));
       }
     }

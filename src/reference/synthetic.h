@@ -52,6 +52,8 @@ double portable_log(double x);
 
 struct SyntheticShape {
   int64_t batch = 1, heads_q = 1, heads_kv = 1, n_q = 128, n_kv = 128, head_dim = 128;
+  int64_t head_dim_v = 0;  // V's (and the output's) head dim; 0: head_dim
+  int64_t v_dim() const { return head_dim_v > 0 ? head_dim_v : head_dim; }
 };
 
 // fp16 Q, K, V in HND layout, with views onto the buffers. The views are built on demand,
@@ -74,7 +76,7 @@ std::string synthetic_description(const std::string& distribution);
 SyntheticInputs make_synthetic(const std::string& distribution, const SyntheticShape& shape,
                                uint64_t seed = 0);
 
-// A gradient of the output for the backward: fp16 N(0, 1), HND [batch, heads_q, n_q, head_dim],
+// A gradient of the output for the backward: fp16 N(0, 1), HND [batch, heads_q, n_q, v_dim()],
 // the same for every distribution (its streams depend on the seed and the head only).
 std::vector<uint16_t> synthetic_output_gradient(const SyntheticShape& shape, uint64_t seed = 0);
 
@@ -84,7 +86,7 @@ struct PrequantizedInputs {
   SyntheticShape shape;
   bool v_per_channel = false;
   std::vector<int8_t> q, k, v;                // HND
-  std::vector<float> q_scale, k_scale, v_scale;  // [b, hq, nq], [b, hkv, nkv], [b, hkv(, d)]
+  std::vector<float> q_scale, k_scale, v_scale;  // [b, hq, nq], [b, hkv, nkv], [b, hkv(, d_v)]
   TensorView q_view() const;
   TensorView k_view() const;
   TensorView v_view() const;

@@ -776,5 +776,38 @@ TEST_F(BackwardArgsTest, ValidArgumentsRunAndEveryBadOneIsNamed) {
   expect_error(a, "recipe.dq_format", "one scale per K/V tile");
 }
 
+// The forward takes a V head dim of its own (DeepSeek MLA); the backward does not, and says so
+// by naming v, whatever out is given as (absent, of q's shape or of v's).
+TEST_F(BackwardArgsTest, VHeadDimOfItsOwnIsRefusedByName) {
+  SyntheticShape sv = s;
+  sv.head_dim_v = 8;
+  const SyntheticInputs own = reference::make_synthetic("normal", sv, 0);
+  std::vector<float> dv8(static_cast<size_t>(sv.batch * sv.heads_kv * sv.n_kv * 8));
+  std::vector<float> out(static_cast<size_t>(q_numel(s)));
+  for (void (*fn)(const BackwardArgs&) : {&reference::simulate_backward, &reference::exact_backward})
+    for (int64_t out_dim : {int64_t(0), int64_t(16), int64_t(8)}) {
+      SCOPED_TRACE(out_dim);
+      BackwardArgs a = args();
+      a.v = own.v_view();
+      a.dv = contiguous_view(dv8.data(), DType::f32, {sv.batch, sv.heads_kv, sv.n_kv, 8});
+      if (out_dim > 0)
+        a.out = contiguous_view(out.data(), DType::f32, {s.batch, s.heads_q, s.n_q, out_dim});
+      try {
+        fn(a);
+        ADD_FAILURE() << "the backward took v's head dim 8 with q's 16";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.argument(), "v") << e.what();
+        EXPECT_NE(std::string(e.what()).find("head_dim must equal q's head_dim 16 for the backward "
+                                              "(got 8)"),
+                  std::string::npos)
+            << e.what();
+      }
+    }
+  // dv keeps v's shape: with equal head dims a dv of another head dim is still refused.
+  BackwardArgs a = args();
+  a.dv = contiguous_view(dv8.data(), DType::f32, {s.batch, s.heads_kv, s.n_kv, 8});
+  expect_error(a, "dv", "shape must equal v's shape");
+}
+
 }  // namespace
 }  // namespace sage

@@ -18,6 +18,8 @@ using reference::Rng;
 
 struct Shape {
   int64_t b, hq, hkv, nq, nkv, d;
+  int64_t dv = 0;  // V's and the output's head dim; 0: d
+  int64_t v_dim() const { return dv > 0 ? dv : d; }
 };
 
 std::vector<float> random_values(int64_t count, uint64_t seed, double scale = 1.0) {
@@ -31,7 +33,8 @@ std::vector<float> random_values(int64_t count, uint64_t seed, double scale = 1.
 void naive(const Shape& s, const std::vector<double>& q, const std::vector<double>& k,
            const std::vector<double>& v, bool causal, double scale, std::vector<double>& out,
            std::vector<double>& lse) {
-  out.assign(static_cast<size_t>(s.b * s.hq * s.nq * s.d), 0.0);
+  const int64_t dv = s.v_dim();
+  out.assign(static_cast<size_t>(s.b * s.hq * s.nq * dv), 0.0);
   lse.assign(static_cast<size_t>(s.b * s.hq * s.nq), -std::numeric_limits<double>::infinity());
   for (int64_t b = 0; b < s.b; ++b)
     for (int64_t h = 0; h < s.hq; ++h) {
@@ -54,8 +57,8 @@ void naive(const Shape& s, const std::vector<double>& q, const std::vector<doubl
         for (int64_t j = 0; j < s.nkv; ++j) {
           if (!allowed[j]) continue;
           const double p = std::exp(sc[j] - mx) / l;
-          for (int64_t c = 0; c < s.d; ++c)
-            out[((b * s.hq + h) * s.nq + i) * s.d + c] += p * v[((b * s.hkv + kh) * s.nkv + j) * s.d + c];
+          for (int64_t c = 0; c < dv; ++c)
+            out[((b * s.hq + h) * s.nq + i) * dv + c] += p * v[((b * s.hkv + kh) * s.nkv + j) * dv + c];
         }
         lse[(b * s.hq + h) * s.nq + i] = mx + std::log(l);
       }
@@ -68,14 +71,14 @@ std::vector<double> widen(const std::vector<float>& x) { return {x.begin(), x.en
 void check_against_naive(const Shape& s, bool causal, uint64_t seed) {
   auto q = random_values(s.b * s.hq * s.nq * s.d, seed);
   auto k = random_values(s.b * s.hkv * s.nkv * s.d, seed + 1);
-  auto v = random_values(s.b * s.hkv * s.nkv * s.d, seed + 2);
-  std::vector<double> out(static_cast<size_t>(s.b * s.hq * s.nq * s.d), 7.0);
+  auto v = random_values(s.b * s.hkv * s.nkv * s.v_dim(), seed + 2);
+  std::vector<double> out(static_cast<size_t>(s.b * s.hq * s.nq * s.v_dim()), 7.0);
   std::vector<float> lse(static_cast<size_t>(s.b * s.hq * s.nq), 7.f);
   AttentionArgs a;
   a.q = contiguous_view(q.data(), DType::f32, {s.b, s.hq, s.nq, s.d});
   a.k = contiguous_view(k.data(), DType::f32, {s.b, s.hkv, s.nkv, s.d});
-  a.v = contiguous_view(v.data(), DType::f32, {s.b, s.hkv, s.nkv, s.d});
-  a.out = contiguous_view(out.data(), DType::f64, {s.b, s.hq, s.nq, s.d});
+  a.v = contiguous_view(v.data(), DType::f32, {s.b, s.hkv, s.nkv, s.v_dim()});
+  a.out = contiguous_view(out.data(), DType::f64, {s.b, s.hq, s.nq, s.v_dim()});
   a.lse = contiguous_view(lse.data(), DType::f32, {s.b, s.hq, s.nq});
   a.causal = causal;
   reference::exact(a);
@@ -98,6 +101,15 @@ TEST(Exact, MatchesNaiveCausalMoreQueriesThanKeys) { check_against_naive({1, 2, 
 TEST(Exact, MatchesNaiveCausalSquare) { check_against_naive({2, 1, 1, 6, 6, 16}, true, 4); }
 TEST(Exact, MatchesNaiveGqa) { check_against_naive({2, 6, 2, 4, 5, 8}, true, 5); }
 TEST(Exact, MatchesNaiveMqa) { check_against_naive({1, 4, 1, 3, 6, 4}, false, 6); }
+// V with its own head dim (DeepSeek MLA's prefill shape, scaled down): the scores over d = 48
+// channels, the output over V's 24 (and the other way round), default scale 1/sqrt(48).
+TEST(Exact, MatchesNaiveWithVHeadDimOfItsOwn) {
+  for (bool causal : {false, true}) {
+    SCOPED_TRACE(causal);
+    check_against_naive({1, 2, 1, 5, 7, 48, 24}, causal, 7);
+    check_against_naive({2, 2, 2, 7, 5, 8, 20}, causal, 8);
+  }
+}
 
 TEST(Exact, CausalRowsWithoutKeysAreZeroWithLseMinusInf) {
   // n_q = 6 > n_kv = 2: query i sees keys j <= i - 4, so rows 0..3 see nothing.

@@ -8,6 +8,7 @@
 #include <iostream>
 #include <limits>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -63,9 +64,9 @@ void bind(const Recipe& r, const SyntheticInputs& in, Inputs& x) {
   }
 }
 
-int64_t out_numel(const SyntheticShape& s) { return s.batch * s.heads_q * s.n_q * s.head_dim; }
+int64_t out_numel(const SyntheticShape& s) { return s.batch * s.heads_q * s.n_q * s.v_dim(); }
 TensorView out_view(void* p, DType t, const SyntheticShape& s) {
-  return contiguous_view(p, t, {s.batch, s.heads_q, s.n_q, s.head_dim});
+  return contiguous_view(p, t, {s.batch, s.heads_q, s.n_q, s.v_dim()});
 }
 TensorView lse_view(float* p, const SyntheticShape& s) {
   return contiguous_view(p, DType::f32, {s.batch, s.heads_q, s.n_q});
@@ -75,9 +76,11 @@ struct Result {
   std::vector<float> out, lse;
 };
 
-Result simulate(const Recipe& r, const SyntheticInputs& in, bool causal = false) {
+Result simulate(const Recipe& r, const SyntheticInputs& in, bool causal = false,
+                std::optional<float> sm_scale = std::nullopt) {
   Inputs x;
   bind(r, in, x);
+  x.args.sm_scale = sm_scale;
   Result res;
   res.out.resize(static_cast<size_t>(out_numel(in.shape)));
   res.lse.resize(static_cast<size_t>(in.shape.batch * in.shape.heads_q * in.shape.n_q));
@@ -1008,6 +1011,96 @@ TEST(Simulate, Bf16InputsAndHeadDim64) {
                                           Layout::HND);
   EXPECT_GT(e.cosine, 0.998);
   EXPECT_LT(e.rel_l1, 0.06);
+}
+
+// ---- V with a head dim of its own (DeepSeek MLA's prefill: d = 192, d_v = 128) --------------
+
+SyntheticShape shape_v(int64_t hq, int64_t hkv, int64_t nq, int64_t nkv, int64_t d, int64_t dv) {
+  SyntheticShape s = shape(hq, hkv, nq, nkv, d);
+  s.head_dim_v = dv;
+  return s;
+}
+
+// The simulator with V's own head dim against exact, within sage2_8b's bound on `normal`
+// (measured at d = 128: the table above).
+TEST(Simulate, VHeadDimOfItsOwnWithinSage2Bound) {
+  const SyntheticShape s = shape_v(4, 2, 512, 512, 192, 128);
+  const SyntheticInputs in = reference::make_synthetic("normal", s, 0);
+  const Bound b = bounds().at("sage2_8b").at("normal");
+  for (bool causal : {false, true}) {
+    std::vector<double> ref(static_cast<size_t>(out_numel(s)));
+    AttentionArgs a;
+    a.q = in.q_view(), a.k = in.k_view(), a.v = in.v_view();
+    a.causal = causal;
+    a.out = out_view(ref.data(), DType::f64, s);
+    reference::exact(a);
+    std::vector<uint16_t> out(ref.size());
+    a.out = out_view(out.data(), DType::f16, s);
+    a.recipe = preset("sage2_8b");
+    reference::simulate(a);
+    const ErrorStats e =
+        reference::compare(a.out, Layout::HND, out_view(ref.data(), DType::f64, s), Layout::HND);
+    if (std::getenv("SAGE_PRINT_MEASUREMENTS"))
+      std::cout << "MEASURED d 192 d_v 128 sage2_8b " << (causal ? "causal " : "full ")
+                << 1 - e.cosine << " " << e.rel_l1 << "\n";
+    EXPECT_LE(1 - e.cosine, b.cos_err) << (causal ? "causal" : "full");
+    EXPECT_LE(e.rel_l1, b.rel_l1) << (causal ? "causal" : "full");
+    EXPECT_EQ(e.nonfinite, 0);
+  }
+}
+
+// x's rows of `from` channels widened to `to` with zero channels.
+std::vector<uint16_t> zero_padded(const std::vector<uint16_t>& x, int64_t from, int64_t to) {
+  const size_t rows = x.size() / static_cast<size_t>(from);
+  std::vector<uint16_t> y(rows * static_cast<size_t>(to), 0);
+  for (size_t r = 0; r < rows; ++r)
+    std::copy(x.begin() + r * from, x.begin() + (r + 1) * from, y.begin() + r * to);
+  return y;
+}
+
+// Output channels [0, dv) of rows of d channels.
+std::vector<float> first_channels(const std::vector<float>& x, int64_t d, int64_t dv) {
+  std::vector<float> y;
+  for (size_t r = 0; r < x.size() / static_cast<size_t>(d); ++r)
+    y.insert(y.end(), x.begin() + r * d, x.begin() + r * d + dv);
+  return y;
+}
+
+// A call with V's own head dim is the call with the smaller operand zero-padded to the larger
+// dim, bit for bit, for every preset: zero channels change no scale (a maximum over |0|, so
+// per-tensor and per-block V scales and per-token Q/K scales too; a zero channel's own
+// per-channel scale is 0 and its codes 0), no mean, no integer score and no other output
+// channel (every PV accumulator model rounds per channel). The tile, the row sum from the PV
+// MMA and P's scale fold then follow the larger dim in both calls; had the simulator taken
+// them from Q/K's dim alone, d = 40 with d_v = 136 would differ (192 against 128 Q rows per
+// tile, float_p against pv_mma), so this cannot pass by construction.
+TEST(Simulate, VHeadDimOfItsOwnEqualsZeroPaddedCall) {
+  struct Case {
+    int64_t d, dv;
+  };
+  for (const Case c : {Case{192, 128}, Case{64, 24}, Case{40, 136}}) {
+    const int64_t wide = std::max(c.d, c.dv);
+    const SyntheticInputs own =
+        reference::make_synthetic("v_bias", shape_v(4, 2, 200, 300, c.d, c.dv), 3);
+    SyntheticInputs padded = own;
+    padded.shape.head_dim = padded.shape.head_dim_v = wide;
+    padded.q = zero_padded(own.q, c.d, wide);
+    padded.k = zero_padded(own.k, c.d, wide);
+    padded.v = zero_padded(own.v, c.dv, wide);
+    // The scale of the unpadded scores, for both (the default would follow the padded dim).
+    const float sm_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
+    for (const Recipe& r : presets())
+      for (bool causal : {false, true}) {
+        SCOPED_TRACE(r.name + " d " + std::to_string(c.d) + " d_v " + std::to_string(c.dv) +
+                     (causal ? " causal" : ""));
+        const Result a = simulate(r, own, causal, sm_scale);
+        const Result b = simulate(r, padded, causal, sm_scale);
+        EXPECT_EQ(a.out, first_channels(b.out, wide, c.dv));
+        EXPECT_EQ(a.lse, b.lse);
+        // Not vacuous: the outputs carry V (v_bias: channels far from 0).
+        EXPECT_TRUE(std::any_of(a.out.begin(), a.out.end(), [](float x) { return x != 0.f; }));
+      }
+  }
 }
 
 }  // namespace

@@ -25,10 +25,12 @@ constexpr float kUnwritten = 12345.f;
 
 struct Heads {
   int64_t q = 4, kv = 2, d = 64;
+  int64_t dv = 0;  // V's and the output's head dim; 0: d
+  int64_t v_dim() const { return dv > 0 ? dv : d; }
 };
 
 // One sequence's tokens, fp16 bits, token-major as packing stores them: q [n_q, heads_q, d],
-// k and v [n_k, heads_kv, d]. Each sequence has its own channel means (a few channels of Q
+// k [n_k, heads_kv, d] and v [n_k, heads_kv, d_v]. Each sequence has its own channel means (a few channels of Q
 // and K far off zero, as q/k projection biases give, and a V bias), so that any statistic
 // taken across sequences would change its neighbours' numbers.
 struct Sequence {
@@ -38,16 +40,17 @@ struct Sequence {
 
 Sequence make_sequence(int64_t n_q, int64_t n_k, uint64_t seed, const Heads& h) {
   reference::Rng rng(seed);
-  std::vector<double> q_bias(h.d, 0.0), k_bias(h.d, 0.0), v_bias(h.d, 0.0);
-  for (int64_t c = 0; c < h.d; ++c) {
-    k_bias[c] = 5.0 * rng.normal();
-    v_bias[c] = 3.0 * rng.normal();
+  std::vector<double> q_bias(h.d, 0.0), k_bias(h.d, 0.0), v_bias(h.v_dim(), 0.0);
+  for (int64_t c = 0; c < std::max(h.d, h.v_dim()); ++c) {
+    if (c < h.d) k_bias[c] = 5.0 * rng.normal();
+    if (c < h.v_dim()) v_bias[c] = 3.0 * rng.normal();
   }
   for (int64_t c : {int64_t(3), h.d / 2 + 1}) q_bias[c] = k_bias[c] = 20.0 + 20.0 * rng.uniform();
+  // Rows of bias.size() channels.
   auto fill = [&](int64_t tokens, int64_t heads, const std::vector<double>& bias) {
-    std::vector<uint16_t> x(static_cast<size_t>(tokens * heads * h.d));
+    std::vector<uint16_t> x(static_cast<size_t>(tokens * heads) * bias.size());
     for (size_t i = 0; i < x.size(); ++i)
-      x[i] = fmt::fp16_bits(static_cast<float>(bias[i % h.d] + rng.normal()));
+      x[i] = fmt::fp16_bits(static_cast<float>(bias[i % bias.size()] + rng.normal()));
     return x;
   };
   Sequence s;
@@ -75,7 +78,7 @@ struct Packed {
       cu_k.push_back(cu_k.back() + static_cast<int32_t>(s.n_k));
     }
     tokens_q = cu_q.back(), tokens_k = cu_k.back();
-    out.assign(static_cast<size_t>(total_q() * h.q * h.d), kUnwritten);
+    out.assign(static_cast<size_t>(total_q() * h.q * h.v_dim()), kUnwritten);
     lse.assign(static_cast<size_t>(h.q * total_q()), kUnwritten);
   }
   int64_t total_q() const { return tokens_q; }
@@ -85,8 +88,8 @@ struct Packed {
     VarlenArgs a;
     a.q = contiguous_view(q.data(), DType::f16, {total_q(), h.q, h.d});
     a.k = contiguous_view(k.data(), DType::f16, {total_k(), h.kv, h.d});
-    a.v = contiguous_view(v.data(), DType::f16, {total_k(), h.kv, h.d});
-    a.out = contiguous_view(out.data(), DType::f32, {total_q(), h.q, h.d});
+    a.v = contiguous_view(v.data(), DType::f16, {total_k(), h.kv, h.v_dim()});
+    a.out = contiguous_view(out.data(), DType::f32, {total_q(), h.q, h.v_dim()});
     a.lse = contiguous_view(lse.data(), DType::f32, {h.q, total_q()});
     a.cu_seqlens_q = contiguous_view(cu_q.data(), DType::i32, {int64_t(cu_q.size())});
     a.cu_seqlens_k = contiguous_view(cu_k.data(), DType::i32, {int64_t(cu_k.size())});
@@ -98,9 +101,9 @@ struct Packed {
     return a;
   }
 
-  // Sequence b's output [n_q, heads_q, d] and LSE [heads_q, n_q], copied out.
+  // Sequence b's output [n_q, heads_q, d_v] and LSE [heads_q, n_q], copied out.
   std::vector<float> out_of(size_t b) const {
-    const size_t row = static_cast<size_t>(h.q * h.d);
+    const size_t row = static_cast<size_t>(h.q * h.v_dim());
     return {out.begin() + cu_q[b] * row, out.begin() + cu_q[b + 1] * row};
   }
   std::vector<float> lse_of(size_t b) const {
@@ -192,13 +195,13 @@ struct Dense {
 Dense dense_call(const Sequence& s, const Heads& h, const VarlenArgs& like, bool exact) {
   std::vector<uint16_t> q = s.q, k = s.k, v = s.v;
   Dense r;
-  r.out.assign(q.size(), 0.f);
+  r.out.assign(static_cast<size_t>(s.n_q * h.q * h.v_dim()), 0.f);
   r.lse.assign(static_cast<size_t>(h.q * s.n_q), 0.f);
   AttentionArgs a;
   a.q = contiguous_view(q.data(), DType::f16, {1, s.n_q, h.q, h.d});
   a.k = contiguous_view(k.data(), DType::f16, {1, s.n_k, h.kv, h.d});
-  a.v = contiguous_view(v.data(), DType::f16, {1, s.n_k, h.kv, h.d});
-  a.out = contiguous_view(r.out.data(), DType::f32, {1, s.n_q, h.q, h.d});
+  a.v = contiguous_view(v.data(), DType::f16, {1, s.n_k, h.kv, h.v_dim()});
+  a.out = contiguous_view(r.out.data(), DType::f32, {1, s.n_q, h.q, h.v_dim()});
   a.lse = contiguous_view(r.lse.data(), DType::f32, {1, h.q, s.n_q});
   a.layout = Layout::NHD;
   a.causal = like.causal;
@@ -217,27 +220,43 @@ std::vector<Sequence> mixed_batch(const Heads& h) {
           make_sequence(0, 0, 17, h),    make_sequence(130, 129, 18, h)};
 }
 
-TEST(Varlen, EqualsTheDenseCallOnEachSequence) {
-  for (const Heads& h : {Heads{4, 2, 64}, Heads{3, 1, 40}, Heads{2, 2, 128}}) {
-    const std::vector<Sequence> seqs = mixed_batch(h);
-    for (const char* recipe : {"sage2_8b", "sage1_b", "int_flash_q"})
-      for (const Mask& m : kMasks)
-        for (bool exact : {false, true}) {
-          if (exact && std::string(recipe) != "sage2_8b") continue;  // exact ignores the recipe
-          Packed p(seqs, h);
-          VarlenArgs a = p.args(recipe);
-          set_mask(a, m);
-          if (exact) reference::exact_varlen(a);
-          else reference::simulate_varlen(a);
-          for (size_t b = 0; b < seqs.size(); ++b) {
-            const Dense d = dense_call(seqs[b], h, a, exact);
-            EXPECT_TRUE(same_bits(p.out_of(b), d.out))
-                << recipe << " exact " << exact << " d " << h.d << " mask (" << m.left << ", "
-                << m.right << ") causal " << m.causal << " sequence " << b;
-            EXPECT_TRUE(same_bits(p.lse_of(b), d.lse)) << recipe << " sequence " << b;
-          }
+// Each sequence of the packed batch, simulated (or exact) for every recipe and mask given,
+// is its dense call bit for bit, and every output element is written.
+void expect_each_sequence_is_its_dense_call(const Heads& h, std::initializer_list<const char*> recipes,
+                                           std::initializer_list<Mask> masks) {
+  const std::vector<Sequence> seqs = mixed_batch(h);
+  for (const char* recipe : recipes)
+    for (const Mask& m : masks)
+      for (bool exact : {false, true}) {
+        if (exact && std::string(recipe) != "sage2_8b") continue;  // exact ignores the recipe
+        Packed p(seqs, h);
+        VarlenArgs a = p.args(recipe);
+        set_mask(a, m);
+        if (exact) reference::exact_varlen(a);
+        else reference::simulate_varlen(a);
+        for (size_t b = 0; b < seqs.size(); ++b) {
+          const Dense d = dense_call(seqs[b], h, a, exact);
+          EXPECT_TRUE(same_bits(p.out_of(b), d.out))
+              << recipe << " exact " << exact << " d " << h.d << " d_v " << h.dv << " mask ("
+              << m.left << ", " << m.right << ") causal " << m.causal << " sequence " << b;
+          EXPECT_TRUE(same_bits(p.lse_of(b), d.lse)) << recipe << " sequence " << b;
         }
-  }
+        for (float x : p.out) EXPECT_NE(x, kUnwritten);
+      }
+}
+
+TEST(Varlen, EqualsTheDenseCallOnEachSequence) {
+  for (const Heads& h : {Heads{4, 2, 64}, Heads{3, 1, 40}, Heads{2, 2, 128}})
+    expect_each_sequence_is_its_dense_call(h, {"sage2_8b", "sage1_b", "int_flash_q"},
+                                           {kMasks[0], kMasks[1], kMasks[2], kMasks[3]});
+}
+
+// V with a head dim of its own (DeepSeek MLA's prefill shape, d = 192 and d_v = 128, and a V
+// wider than Q/K): each sequence of the packed batch is still its dense call, bit for bit.
+TEST(Varlen, VHeadDimOfItsOwnEqualsTheDenseCallOnEachSequence) {
+  for (const Heads& h : {Heads{4, 2, 192, 128}, Heads{3, 1, 40, 72}})
+    expect_each_sequence_is_its_dense_call(h, {"sage2_8b", "sage2_8b_vsmooth", "sage1_b"},
+                                           {kMasks[0], kMasks[2]});
 }
 
 // ---- short sequences and fully masked rows -------------------------------------------------
@@ -382,6 +401,18 @@ TEST_F(VarlenArgsCheck, TensorsAndOptions) {
   expect_error(a, "window_left", "-1 (unbounded)");
   a = p.args("int_flash");
   expect_error(a, "recipe.inputs", "floating inputs only");
+}
+
+TEST(Varlen, VHeadDimOfItsOwnShapesAreChecked) {
+  const Heads h{4, 2, 64, 32};
+  Packed p({make_sequence(5, 7, 1, h), make_sequence(3, 2, 2, h)}, h);
+  const VarlenProblem vp = check_varlen_args(p.args());
+  EXPECT_EQ(vp.head_dim, 64);
+  EXPECT_EQ(vp.head_dim_v, 32);
+  VarlenArgs a = p.args();
+  a.out.shape[2] = 64;  // q's head dim
+  expect_error(a, "out", "q's shape with v's head_dim as its last dim, [total_q, heads_q, "
+                         "head_dim_v] = [8, 4, 32] (got [8, 4, 64])");
 }
 
 // The GPU entry point takes the offsets in device memory: host offsets are refused by name

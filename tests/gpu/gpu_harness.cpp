@@ -121,8 +121,9 @@ namespace {
 // "nan at k[b0 h1 n17 d5]": where a planted value sits, in (batch, head, token, channel).
 std::string describe_planted(const GpuCase& c, const PlantedValue& p) {
   const int64_t heads = p.tensor == 'q' ? c.heads_q : c.heads_kv, n = p.tensor == 'q' ? c.n_q : c.n_kv;
-  const int64_t d = p.index % c.head_dim, token = p.index / c.head_dim % n, head = p.index / c.head_dim / n % heads,
-                b = p.index / c.head_dim / n / heads;
+  const int64_t dim = p.tensor == 'v' ? c.dv() : c.head_dim;
+  const int64_t d = p.index % dim, token = p.index / dim % n, head = p.index / dim / n % heads,
+                b = p.index / dim / n / heads;
   std::ostringstream os;
   if (std::isnan(p.value)) os << "nan";
   else os << (p.value > 0 ? "+" : "") << p.value;  // "+inf", "-inf"
@@ -144,7 +145,7 @@ std::string GpuCase::describe() const {
      << (prequantized() ? std::string("i8->") : std::string()) << dtype_name(dtype) << " "
      << layout_name(layout) << (strided ? " strided" : "") << " B" << batch << " Hq" << heads_q
      << " Hkv" << heads_kv << " Nq" << n_q << " Nkv" << n_kv << " D" << head_dim
-     << (causal ? " causal" : "");
+     << (dv() != head_dim ? " Dv" + std::to_string(dv()) : std::string()) << (causal ? " causal" : "");
   if (window_left >= 0 || window_right >= 0) os << " window(" << window_left << "," << window_right << ")";
   os << (with_lse ? "" : " no-lse") << " " << distribution << " seed"
      << seed;
@@ -214,7 +215,8 @@ void expect_lse_near_simulator(const GpuCase& c, const GpuResult& r) {
   const Bounds b = bounds_for(c.recipe);
   const Recipe recipe = c.recipe_options();
   const bool quantized_sum =
-      recipe.row_sum == RowSum::quantized_p || rules::row_sum_in_pv_mma(recipe, int(c.head_dim));
+      recipe.row_sum == RowSum::quantized_p ||
+      rules::row_sum_in_pv_mma(recipe, call_head_dim(c.head_dim, c.dv()));
   if (quantized_sum) {
     // One P code flip (above) moves a quantized row sum by one code step of that P, at most
     // 1/8 of it (E4M3's 3 mantissa bits; INT8's 1/127 of p_max is less), so the row's LSE by
@@ -288,8 +290,8 @@ namespace {
 // One tensor's values: "zeros", "huge" (uniform in +-60000), or a synthetic distribution's
 // tensor (`which` picks it from the three make_synthetic returns).
 std::vector<float> distribution_values(const GpuCase& c, const reference::SyntheticInputs* synthetic, char which,
-                                       int64_t heads, int64_t n) {
-  const int64_t count = c.batch * heads * n * c.head_dim;
+                                       int64_t heads, int64_t n, int64_t d) {
+  const int64_t count = c.batch * heads * n * d;
   std::vector<float> x(count, 0.f);
   if (c.distribution == "zeros") return x;
   if (c.distribution == "huge") {
@@ -320,13 +322,13 @@ CaseValues case_values(const GpuCase& c) {
   if (c.distribution != "zeros" && c.distribution != "huge") {
     reference::SyntheticShape s;
     s.batch = c.batch, s.heads_q = c.heads_q, s.heads_kv = c.heads_kv, s.n_q = c.n_q, s.n_kv = c.n_kv;
-    s.head_dim = c.head_dim;
+    s.head_dim = c.head_dim, s.head_dim_v = c.dv();
     synthetic = std::make_unique<reference::SyntheticInputs>(reference::make_synthetic(c.distribution, s, c.seed));
   }
   CaseValues x;
-  x.q = distribution_values(c, synthetic.get(), 'q', c.heads_q, c.n_q);
-  x.k = distribution_values(c, synthetic.get(), 'k', c.heads_kv, c.n_kv);
-  x.v = distribution_values(c, synthetic.get(), 'v', c.heads_kv, c.n_kv);
+  x.q = distribution_values(c, synthetic.get(), 'q', c.heads_q, c.n_q, c.head_dim);
+  x.k = distribution_values(c, synthetic.get(), 'k', c.heads_kv, c.n_kv, c.head_dim);
+  x.v = distribution_values(c, synthetic.get(), 'v', c.heads_kv, c.n_kv, c.dv());
   auto tensor = [&x](char which) -> std::vector<float>& { return which == 'q' ? x.q : which == 'k' ? x.k : x.v; };
   if (c.magnitude > 0.f)
     for (char which : c.magnified) scale_to_magnitude(tensor(which), c.magnitude);
@@ -445,11 +447,10 @@ HostTensor make_tensor(DType dtype, const std::vector<int64_t>& shape, bool stri
 }
 
 // A q/k/v/out tensor in the case's layout: physical order HND b,h,n,d or NHD b,n,h,d.
-HostTensor make_attention_tensor(const GpuCase& c, DType dtype, int64_t heads, int64_t n, uint32_t fill,
+HostTensor make_attention_tensor(const GpuCase& c, DType dtype, int64_t heads, int64_t n, int64_t d, uint32_t fill,
                                  int64_t offset_bytes = 48) {
-  if (c.layout == Layout::HND)
-    return make_tensor(dtype, {c.batch, heads, n, c.head_dim}, c.strided, fill, offset_bytes);
-  return make_tensor(dtype, {c.batch, n, heads, c.head_dim}, c.strided, fill, offset_bytes);
+  if (c.layout == Layout::HND) return make_tensor(dtype, {c.batch, heads, n, d}, c.strided, fill, offset_bytes);
+  return make_tensor(dtype, {c.batch, n, heads, d}, c.strided, fill, offset_bytes);
 }
 
 uint16_t to_bits(float x, DType dt) { return dt == DType::f16 ? fmt::fp16_bits(x) : fmt::bf16_bits(x); }
@@ -513,7 +514,9 @@ CaseTensors::CaseTensors(const GpuCase& c) : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   m.c = c;
   const bool preq = c.prequantized();
-  const int64_t d = c.head_dim;
+  const int64_t d = c.head_dim, dv = c.dv();
+  if (preq && dv != d)
+    throw std::invalid_argument("a V head dim of its own needs floating-point inputs, not " + c.recipe + "'s INT8");
   if (preq && !c.planted.empty())
     throw std::invalid_argument("planted non-finite values need floating-point inputs, not " + c.recipe + "'s INT8");
   const CaseValues values = case_values(c);
@@ -521,12 +524,12 @@ CaseTensors::CaseTensors(const GpuCase& c) : impl_(std::make_unique<Impl>()) {
   const std::vector<float>& kf = values.k;
   const std::vector<float>& vf = values.v;
   if (!preq) {
-    m.q = make_attention_tensor(c, c.dtype, c.heads_q, c.n_q, kInputFill16);
-    m.k = make_attention_tensor(c, c.dtype, c.heads_kv, c.n_kv, kInputFill16);
-    m.v = make_attention_tensor(c, c.dtype, c.heads_kv, c.n_kv, kInputFill16);
+    m.q = make_attention_tensor(c, c.dtype, c.heads_q, c.n_q, d, kInputFill16);
+    m.k = make_attention_tensor(c, c.dtype, c.heads_kv, c.n_kv, d, kInputFill16);
+    m.v = make_attention_tensor(c, c.dtype, c.heads_kv, c.n_kv, dv, kInputFill16);
     scatter_float(m.q, c.layout, qf, c.heads_q, c.n_q, d);
     scatter_float(m.k, c.layout, kf, c.heads_kv, c.n_kv, d);
-    scatter_float(m.v, c.layout, vf, c.heads_kv, c.n_kv, d);
+    scatter_float(m.v, c.layout, vf, c.heads_kv, c.n_kv, dv);
   } else {
     // INT8 codes and f32 scales as a caller of int_flash would bring them, made on the host by
     // the same function the CPU tests and `sage check` use, from the fp16-rounded values.
@@ -535,9 +538,9 @@ CaseTensors::CaseTensors(const GpuCase& c) : impl_(std::make_unique<Impl>()) {
     in.shape.n_q = c.n_q, in.shape.n_kv = c.n_kv, in.shape.head_dim = d;
     in.q = fp16_bits_of(qf), in.k = fp16_bits_of(kf), in.v = fp16_bits_of(vf);
     const reference::PrequantizedInputs p = reference::prequantize_int8(in, c.v_per_channel);
-    m.q = make_attention_tensor(c, DType::i8, c.heads_q, c.n_q, kInputFill8);
-    m.k = make_attention_tensor(c, DType::i8, c.heads_kv, c.n_kv, kInputFill8);
-    m.v = make_attention_tensor(c, DType::i8, c.heads_kv, c.n_kv, kInputFill8);
+    m.q = make_attention_tensor(c, DType::i8, c.heads_q, c.n_q, d, kInputFill8);
+    m.k = make_attention_tensor(c, DType::i8, c.heads_kv, c.n_kv, d, kInputFill8);
+    m.v = make_attention_tensor(c, DType::i8, c.heads_kv, c.n_kv, d, kInputFill8);
     scatter_i8(m.q, c.layout, p.q, c.heads_q, c.n_q, d);
     scatter_i8(m.k, c.layout, p.k, c.heads_kv, c.n_kv, d);
     scatter_i8(m.v, c.layout, p.v, c.heads_kv, c.n_kv, d);
@@ -548,7 +551,7 @@ CaseTensors::CaseTensors(const GpuCase& c) : impl_(std::make_unique<Impl>()) {
   }
   // A strided output starts 4 bytes past a 16-byte boundary (the API asks for 4): the
   // epilogue's 4-byte store path (sm90/epilogue.cuh); unstrided outputs take the 16-byte one.
-  m.out = make_attention_tensor(c, c.dtype, c.heads_q, c.n_q, out_poison(c.dtype), 52);
+  m.out = make_attention_tensor(c, c.dtype, c.heads_q, c.n_q, dv, out_poison(c.dtype), 52);
   uint32_t lse_fill;
   std::memcpy(&lse_fill, &kLsePoison, 4);
   if (c.with_lse) m.lse = make_tensor(DType::f32, {c.batch, c.heads_q, c.n_q}, c.strided, lse_fill);
@@ -640,16 +643,17 @@ void run_on_device(CaseTensors& t, GpuResult& res) {
 // The host half: simulate and exact from the same strided host tensors, and the metrics.
 void compute_references(const CaseTensors& t, GpuResult& res) {
   const GpuCase& c = t.spec();
+  const int64_t dv = c.dv();
   const AttentionArgs got = t.host_args();
   AttentionArgs host = got;
-  std::vector<float> sim(c.batch * c.heads_q * c.n_q * c.head_dim), ex(sim.size());
+  std::vector<float> sim(c.batch * c.heads_q * c.n_q * dv), ex(sim.size());
   std::vector<float> sim_lse(c.batch * c.heads_q * c.n_q), ex_lse(sim_lse.size());
-  host.out = contiguous_view(sim.data(), DType::f32, {c.batch, c.heads_q, c.n_q, c.head_dim});
+  host.out = contiguous_view(sim.data(), DType::f32, {c.batch, c.heads_q, c.n_q, dv});
   // The reference output is HND-contiguous; q/k/v keep the case's layout, so the output view
   // is permuted to the same layout.
   if (c.layout == Layout::NHD)
-    host.out = strided_view(sim.data(), DType::f32, {c.batch, c.n_q, c.heads_q, c.head_dim},
-                            {c.heads_q * c.n_q * c.head_dim, c.head_dim, c.n_q * c.head_dim, 1});
+    host.out = strided_view(sim.data(), DType::f32, {c.batch, c.n_q, c.heads_q, dv},
+                            {c.heads_q * c.n_q * dv, dv, c.n_q * dv, 1});
   host.lse = c.with_lse ? contiguous_view(sim_lse.data(), DType::f32, {c.batch, c.heads_q, c.n_q}) : TensorView{};
   reference::simulate(host);
   AttentionArgs host_exact = host;
@@ -657,8 +661,8 @@ void compute_references(const CaseTensors& t, GpuResult& res) {
   if (c.with_lse) host_exact.lse.data = ex_lse.data();
   reference::exact(host_exact);
 
-  const TensorView sim_view = contiguous_view(sim.data(), DType::f32, {c.batch, c.heads_q, c.n_q, c.head_dim});
-  const TensorView ex_view = contiguous_view(ex.data(), DType::f32, {c.batch, c.heads_q, c.n_q, c.head_dim});
+  const TensorView sim_view = contiguous_view(sim.data(), DType::f32, {c.batch, c.heads_q, c.n_q, dv});
+  const TensorView ex_view = contiguous_view(ex.data(), DType::f32, {c.batch, c.heads_q, c.n_q, dv});
   res.vs_sim = reference::compare(got.out, c.layout, sim_view, Layout::HND);
   res.vs_exact = reference::compare(got.out, c.layout, ex_view, Layout::HND);
   res.sim_vs_exact = reference::compare(sim.data(), ex.data(), int64_t(sim.size()));
@@ -714,7 +718,7 @@ std::vector<GpuResult> run_gpu_cases(const std::vector<GpuCase>& cases) {
   std::iota(order.begin(), order.end(), size_t(0));
   auto cost = [&](size_t i) {
     const GpuCase& c = cases[i];
-    return double(c.batch) * double(c.heads_q) * double(c.n_q) * double(c.n_kv) * double(c.head_dim);
+    return double(c.batch) * double(c.heads_q) * double(c.n_q) * double(c.n_kv) * double(c.head_dim + c.dv());
   };
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return cost(a) > cost(b); });
   std::atomic<size_t> next{0};

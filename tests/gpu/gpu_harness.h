@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "numerics/tile.h"
 #include "reference/metrics.h"
 #include "sage/attention.h"
 
@@ -65,6 +66,7 @@ struct PlantedValue {
 
 struct GpuCase {
   int64_t batch = 1, heads_q = 2, heads_kv = 2, n_q = 128, n_kv = 128, head_dim = 128;
+  int64_t head_dim_v = 0;  // V's and the output's head dim; 0: head_dim (MLA: 192 / 128)
   bool causal = false;
   int64_t window_left = -1, window_right = -1;  // the sliding window (AttentionArgs)
   DType dtype = DType::f16;  // of q, k, v and out; for prequantized recipes: of out only
@@ -86,6 +88,7 @@ struct GpuCase {
   std::string magnified = "qkv";
   std::vector<PlantedValue> planted;  // non-empty: expect_within_bounds checks the NaN pattern
   std::string describe() const;
+  int64_t dv() const { return head_dim_v > 0 ? head_dim_v : head_dim; }
   // The Recipe this case runs: the preset, with v_scale per channel when v_per_channel, and
   // p_range, row_sum float_p, smooth_k off, k_mean_stride and qk_channel_balance when set.
   Recipe recipe_options() const;
@@ -107,7 +110,7 @@ NonFiniteStats compare_nonfinite(DType out_dtype, const std::vector<float>& got,
                                  const std::vector<float>& exact, const std::vector<float>& got_lse,
                                  const std::vector<float>& sim_lse, const std::vector<float>& exact_lse);
 
-// The case's q, k and v values, HND-ordered [batch, heads, n, head_dim] floats before rounding
+// The case's q, k and v values, HND-ordered [batch, heads, n, head_dim] floats (v: dv()) before rounding
 // to the input dtype: the distribution, then the magnitude, then the planted values.
 struct CaseValues {
   std::vector<float> q, k, v;

@@ -34,7 +34,10 @@ std::vector<GpuCase> for_every_variant(const std::function<void(const GpuCase&, 
   }
   // Not the PV paths without a kernel at a head dim (gpu_has_kernel): Fp16PvIsRefusedAbove128.
   cases.erase(std::remove_if(cases.begin(), cases.end(),
-                             [](const GpuCase& c) { return !gpu_has_kernel(c.recipe, c.head_dim); }),
+                             [](const GpuCase& c) {
+                               return !gpu_has_kernel(c.recipe, call_head_dim(c.head_dim, c.dv())) ||
+                                      (c.dv() != c.head_dim && c.prequantized());
+                             }),
               cases.end());
   return cases;
 }
@@ -130,6 +133,32 @@ TEST(Sm90Attention, BatchLayoutsDtypesHeadDims) {
             out.push_back(c);
           }
   }));
+}
+
+// Issue 34's MLA shape and its kin: V with a head dim of its own, the kernel on the tile of the
+// larger dim with the other tensor's channels zero-padded. 192 / 128 (DeepSeek's prefill), V
+// narrower on its own tile (128 / 64) and wider than Q/K (64 / 128, 40 / 96), with GQA, causal
+// and both layouts. Prequantized inputs are left out: their V scales have one head dim.
+std::vector<GpuCase> v_head_dim_cases(bool strided) {
+  struct Dims { int64_t d, dv; bool causal; };
+  static const Dims kDims[] = {{192, 128, false}, {192, 128, true}, {128, 64, true}, {64, 128, false}, {40, 96, true}};
+  return for_every_variant([strided](const GpuCase& base, std::vector<GpuCase>& out) {
+    for (const Dims& x : kDims) {
+      GpuCase c = base;
+      c.head_dim = x.d, c.head_dim_v = x.dv, c.causal = x.causal;
+      c.heads_q = 4, c.heads_kv = 2, c.n_q = 150, c.n_kv = 333;
+      c.layout = x.causal ? Layout::NHD : Layout::HND, c.strided = strided;
+      c.seed = uint64_t(x.d * 1000 + x.dv);
+      out.push_back(c);
+    }
+  });
+}
+
+TEST(Sm90Attention, VHeadDimOfItsOwn) {
+  SAGE_REQUIRE_GPU();
+  const std::vector<GpuCase> cases = v_head_dim_cases(false);
+  ASSERT_GE(cases.size(), 40u);  // every GPU recipe at 64 / 128, most at 192 / 128
+  expect_cases_within_bounds(cases);
 }
 
 TEST(Sm90Attention, StridedViewsWithStorageOffsets) {
@@ -539,6 +568,19 @@ TEST(Sm90Sanitize, NewHeadDims) {
       out.push_back(c);
     }
   }));
+}
+
+// V's own head dim under the sanitizers, strided: a V load or an output store past V's head
+// dim lands in the next row or the padding.
+TEST(Sm90Sanitize, VHeadDimOfItsOwn) {
+  SAGE_REQUIRE_GPU();
+  std::vector<GpuCase> cases = v_head_dim_cases(true);
+  // One recipe of each PV path is enough under the tools (each case is slow there).
+  cases.erase(std::remove_if(cases.begin(), cases.end(),
+                             [](const GpuCase& c) { return c.recipe != "sage2_8b" && c.recipe != "sage1_b"; }),
+              cases.end());
+  ASSERT_GE(cases.size(), 8u);
+  expect_cases_within_bounds(cases);
 }
 
 // Chained work items under the sanitizers: shared memory reused from one item to the next

@@ -83,9 +83,13 @@ void draw_shape(Draw& draw, GpuCase& c) {
   // Half on a kernel tile's own head dim, half on any the GPU takes (most of those run
   // zero-padded on the next tile: issue 34).
   // fp16 PV has no kernel above d = 128 (gpu_has_kernel): such a draw is drawn again.
+  // One floating-input case in six gives V a head dim of its own (MLA's kind), on the tile of
+  // the larger dim.
+  const bool own_v = !c.prequantized() && draw.one_in(6);
   do {
     c.head_dim = draw.one_in(2) ? draw.from(gpu_kernel_head_dim_list()) : draw.from(gpu_head_dim_list());
-  } while (!gpu_has_kernel(c.recipe, c.head_dim));
+    c.head_dim_v = own_v ? draw.from(gpu_head_dim_list()) : 0;
+  } while (!gpu_has_kernel(c.recipe, call_head_dim(c.head_dim, c.dv())));
   c.causal = draw.one_in(2);
   c.dtype = draw.one_in(2) ? DType::f16 : DType::bf16;
   c.layout = draw.one_in(2) ? Layout::HND : Layout::NHD;
@@ -126,8 +130,9 @@ PlantedValue draw_planted(Draw& draw, const GpuCase& c) {
   const int64_t heads = q ? c.heads_q : c.heads_kv, n = q ? c.n_q : c.n_kv;
   const int64_t first = q ? first_row_with_keys(c) : 0;
   const int64_t b = draw.below(int(c.batch)), h = draw.below(int(heads));
-  const int64_t token = first + draw.below(int(n - first)), channel = draw.below(int(c.head_dim));
-  p.index = ((b * heads + h) * n + token) * c.head_dim + channel;
+  const int64_t dim = p.tensor == 'v' ? c.dv() : c.head_dim;
+  const int64_t token = first + draw.below(int(n - first)), channel = draw.below(int(dim));
+  p.index = ((b * heads + h) * n + token) * dim + channel;
   return p;
 }
 
@@ -246,6 +251,7 @@ TEST(RandomizedGpuCases, ListCoversEveryAxis) {
     axes["causal"][c.causal ? "yes" : "no"]++;
     axes["lse"][c.with_lse ? "yes" : "no"]++;
     axes["head_dim"][std::to_string(c.head_dim)]++;
+    axes["v head dim"][c.dv() == c.head_dim ? "q's" : c.dv() < c.head_dim ? "narrower" : "wider"]++;
     axes["batch"][std::to_string(c.batch)]++;
     axes["heads"][c.heads_q == c.heads_kv ? "MHA" : c.heads_kv == 1 ? "MQA" : "GQA"]++;
     axes["distribution"][c.distribution]++;
@@ -279,6 +285,7 @@ TEST(RandomizedGpuCases, ListCoversEveryAxis) {
   }
   for (const char* axis : {"layout", "dtype", "strided", "causal", "lse"}) EXPECT_EQ(axes[axis].size(), 2u) << axis;
   EXPECT_EQ(axes["head_dim"].size(), gpu_head_dim_list().size());
+  EXPECT_EQ(axes["v head dim"].size(), 3u);
   EXPECT_EQ(axes["batch"].size(), 2u);
   EXPECT_EQ(axes["heads"].size(), 3u);
   EXPECT_EQ(axes["distribution"].size(), reference::synthetic_distributions().size());
@@ -353,7 +360,7 @@ HostRun simulate_on_host(const GpuCase& c) {
   const CaseValues x = case_values(c);
   std::vector<uint16_t> q = stored_bits(x.q, c.dtype), k = stored_bits(x.k, c.dtype), v = stored_bits(x.v, c.dtype);
   HostRun r;
-  r.out.resize(x.q.size()), r.exact_out.resize(x.q.size());
+  r.out.resize(size_t(c.batch * c.heads_q * c.n_q * c.dv())), r.exact_out.resize(r.out.size());
   if (c.with_lse) r.lse.resize(size_t(c.batch * c.heads_q * c.n_q)), r.exact_lse.resize(r.lse.size());
   AttentionArgs a;
   a.recipe = c.recipe_options();
@@ -361,8 +368,8 @@ HostRun simulate_on_host(const GpuCase& c) {
   a.layout = Layout::HND;
   a.q = contiguous_view(q.data(), c.dtype, {c.batch, c.heads_q, c.n_q, c.head_dim});
   a.k = contiguous_view(k.data(), c.dtype, {c.batch, c.heads_kv, c.n_kv, c.head_dim});
-  a.v = contiguous_view(v.data(), c.dtype, {c.batch, c.heads_kv, c.n_kv, c.head_dim});
-  a.out = contiguous_view(r.out.data(), DType::f32, {c.batch, c.heads_q, c.n_q, c.head_dim});
+  a.v = contiguous_view(v.data(), c.dtype, {c.batch, c.heads_kv, c.n_kv, c.dv()});
+  a.out = contiguous_view(r.out.data(), DType::f32, {c.batch, c.heads_q, c.n_q, c.dv()});
   if (c.with_lse) a.lse = contiguous_view(r.lse.data(), DType::f32, {c.batch, c.heads_q, c.n_q});
   reference::simulate(a);
   a.out.data = r.exact_out.data();

@@ -26,7 +26,7 @@ Output collect(CaseTensors& t) {
 }
 
 size_t kv_bytes(const GpuCase& c) {
-  return kv_workspace_bytes(c.batch, c.heads_kv, c.n_kv, c.head_dim, c.recipe_options());
+  return kv_workspace_bytes(c.batch, c.heads_kv, c.n_kv, c.head_dim, c.recipe_options(), c.dv());
 }
 
 // attention() on its own workspace.

@@ -155,7 +155,7 @@ def test_torch_front_end_errors_on_cpu_tensors():
     check("attn_mask", sdpa, q, q, q, attn_mask=torch.zeros(64, 64, dtype=torch.bool))
     check("dropout_p", sdpa, q, q, q, dropout_p=0.1)
     check("query", sdpa, q.float(), q, q)
-    check("value", sdpa, q, q, q[..., :32])
+    check("query", sdpa, q, q, q[..., :32])  # Ev != E is taken (MLA); the CPU device is not
     check("enable_gqa", sdpa, q, k, k)
     check("is_causal", sdpa, q, k[:, :, :32], k[:, :, :32], is_causal=True, enable_gqa=True)
     check("query", sdpa, q, k, k, enable_gqa=True)               # not on a CUDA device

@@ -23,6 +23,24 @@ def test_exact_matches_an_independent_float64_attention(causal, layout):
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("d, dv", [(96, 48), (40, 136)])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_v_with_a_head_dim_of_its_own(d, dv, layout):
+    # MLA's kind of shape: the output takes V's head dim, the scale Q/K's.
+    q, k, _ = random_qkv((1, 4, 50, d), (1, 2, 70, d), seed=3)
+    _, _, v = random_qkv((1, 4, 50, dv), (1, 2, 70, dv), seed=4)
+    if layout == "NHD":
+        q, k, v = (np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v))
+    out, lse = sagekit.exact(q, k, v, is_causal=True, layout=layout, return_lse=True)
+    ref_out, ref_lse = attention_f64(q, k, v, causal=True, layout=layout)
+    assert out.shape == ref_out.shape and out.shape[-1] == dv
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    sim = sagekit.simulate(q, k, v, is_causal=True, layout=layout)
+    assert sim.shape == out.shape
+    assert cosine(sim, ref_out) > 0.999 and rel_l1(sim, ref_out) < 0.06
+
+
 def test_exact_scale_and_rows_without_keys():
     # n_q > n_kv with causal: the first rows see no key (bottom-right alignment) -> zeros.
     q, k, v = random_qkv((1, 2, 40, 64), (1, 2, 30, 64))

@@ -22,7 +22,7 @@ size_t workspace_bytes(const AttentionArgs&) { no_cuda(); }
 
 void attention(const AttentionArgs&, void*, size_t, void*) { no_cuda(); }
 
-size_t kv_workspace_bytes(int64_t, int64_t, int64_t, int64_t, const Recipe&) { no_cuda(); }
+size_t kv_workspace_bytes(int64_t, int64_t, int64_t, int64_t, const Recipe&, int64_t) { no_cuda(); }
 
 void quantize_kv(const AttentionArgs&, void*, size_t, void*) { no_cuda(); }
 
@@ -30,7 +30,9 @@ void attention_from_quantized_kv(const AttentionArgs&, const void*, size_t, void
 
 size_t varlen_workspace_bytes(const VarlenArgs&) { no_cuda(); }
 
-size_t varlen_workspace_bytes(int64_t, int64_t, int64_t, int64_t, int64_t, const Recipe&) { no_cuda(); }
+size_t varlen_workspace_bytes(int64_t, int64_t, int64_t, int64_t, int64_t, const Recipe&, int64_t) {
+  no_cuda();
+}
 
 void attention_varlen(const VarlenArgs&, void*, size_t, void*) { no_cuda(); }
 

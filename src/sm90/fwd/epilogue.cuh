@@ -139,7 +139,7 @@ __device__ __forceinline__ void run_epilogue(const AttentionParams& p, typename 
                           p.smooth_v ? p.kv.v_mean + item.kv_head * L::kRowBytes : nullptr,
                           s.q[qbuf][item.cw] + 16 * item.warp * L::kSpan,
                           out_head + (int64_t)warp_row0 * p.o_stride_n, p.o_stride_n,
-                          n_q - warp_row0, p.head_dim, aligned16, item.lane);
+                          n_q - warp_row0, p.head_dim_v, aligned16, item.lane);
   // The buffer (Q codes and this warp's staging) goes back to the stage (the epilogue
   // ended with __syncwarp: every lane's staging reads are done).
   if (q_staged && item.lane == 0) mbar_arrive(&s.q_empty[qbuf]);

@@ -77,6 +77,10 @@ struct AttentionParams {
   // max_seqlen_k (seqlen.cuh, VarlenSeqLen). Last, so no field moves.
   const int* cu_seqlens_q;
   const int* cu_seqlens_k;
+  // V's head dim (the caller's, a multiple of 8, at most D): output stores stop there. Equal
+  // to head_dim unless V has a head dim of its own (MLA: Q/K 192, V 128). Last, so no field
+  // moves.
+  int head_dim_v;
 };
 
 }  // namespace sage::sm90
