@@ -30,6 +30,7 @@ from typing import Any, Dict, NamedTuple, Optional, Union
 # sagekit's torch front end (a stub that raises ImportError naming torch where it is missing;
 # the mapping below and plan() need neither torch nor a GPU).
 from . import sageattn as _sagekit_sageattn
+from . import sageattn_varlen as _sagekit_sageattn_varlen
 from ._errors import argument_error, checked_scale
 
 __all__ = ["CompatCall", "plan", "sageattn", "sageattn_qk_int8_pv_fp16_triton",
@@ -54,10 +55,11 @@ _KERNEL_HEAD_DIMS = _accepted_head_dims()
 
 class CompatCall(NamedTuple):
     """What a compat call runs: sagekit.sageattn(q, k, v, is_causal, scale, layout, recipe,
-    return_lse) on q, k, v zero-padded from head_dim to padded_head_dim channels."""
+    return_lse) on q, k, v zero-padded from head_dim to padded_head_dim channels; for
+    sageattn_varlen (layout "packed"), sagekit.sageattn_varlen with causal and softmax_scale."""
 
     recipe: Union[str, Dict[str, Any]]  # "auto", or options over a base preset (sagekit.recipe)
-    layout: str                         # "HND" or "NHD"
+    layout: str                         # "HND", "NHD", or "packed" ([total_tokens, heads, head_dim])
     is_causal: bool
     scale: Optional[float]              # None: sagekit's default, 1/sqrt(head_dim)
     return_lse: bool
@@ -88,9 +90,11 @@ def _flag(name: str, value: Any) -> bool:
     return value
 
 
-def _head_dims(q: Any) -> tuple:
+def _head_dims(q: Any, packed: bool = False) -> tuple:
     shape = getattr(q, "shape", None)
-    if shape is None or len(shape) != 4:
+    if packed and (shape is None or len(shape) != 3):
+        raise argument_error("q", "must be a 3-d tensor [total_tokens, heads, head_dim]")
+    if not packed and (shape is None or len(shape) != 4):
         raise argument_error("q", "must be a 4-d tensor ([batch, heads, tokens, head_dim] for "
                              "tensor_layout 'HND', [batch, tokens, heads, head_dim] for 'NHD')")
     head_dim = int(shape[-1])
@@ -102,9 +106,10 @@ def _head_dims(q: Any) -> tuple:
 
 
 def _call(recipe: Union[str, Dict[str, Any]], q: Any, tensor_layout: Any, is_causal: Any,
-          sm_scale: Any, return_lse: Any) -> CompatCall:
-    layout = _choice("tensor_layout", tensor_layout, ("HND", "NHD"))
-    head_dim, padded = _head_dims(q)
+          sm_scale: Any, return_lse: Any, packed: bool = False) -> CompatCall:
+    # packed: sageattn_varlen's [total_tokens, heads, head_dim], which has no tensor_layout.
+    layout = "packed" if packed else _choice("tensor_layout", tensor_layout, ("HND", "NHD"))
+    head_dim, padded = _head_dims(q, packed)
     scale = checked_scale(sm_scale, "sm_scale")
     if scale is None and padded != head_dim:
         scale = 1.0 / math.sqrt(head_dim)  # the original head dim's, as the library computes it
@@ -179,6 +184,17 @@ def _plan_fp8_cuda(q, tensor_layout, is_causal, qk_quant_gran, sm_scale, pv_accu
     accum = _choice("pv_accum_dtype", pv_accum_dtype, ("fp32", "fp32+fp32", "fp32+fp16"))
     recipe = _fp8_recipe(accum, qk_quant_gran, smooth_k, smooth_v)
     return _call(recipe, q, tensor_layout, is_causal, sm_scale, return_lse)
+
+
+def _plan_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, sm_scale,
+                 smooth_k, kwargs) -> CompatCall:
+    _refuse_unknown("sageattn_varlen", kwargs)
+    # The reference's packed path is its Triton kernel: per-block INT8 Q/K and FP16 P·V, the
+    # numbers of sageattn_qk_int8_pv_fp16_triton (sage1_b). Its K mean is taken over the whole
+    # packed batch; sagekit takes every statistic per sequence (nothing leaks between
+    # sequences), which changes quantization error only: smoothing K leaves the softmax exact.
+    recipe = {"base": "sage1_b", "smooth_k": _flag("smooth_k", smooth_k)}
+    return _call(recipe, q, None, is_causal, sm_scale, False, packed=True)
 
 
 def _plan_fp8_cuda_sm90(q, tensor_layout, is_causal, qk_quant_gran, sm_scale, pv_accum_dtype,
@@ -275,11 +291,22 @@ def sageattn_qk_int8_pv_fp8_cuda_sm90(q, k, v, tensor_layout: str = "HND", is_ca
 def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                     is_causal: bool = False, sm_scale: Optional[float] = None,
                     smooth_k: bool = True, **kwargs: Any):
-    """Not available: sagekit has no GPU kernel for packed variable-length batches yet."""
-    raise NotImplementedError(
-        "sageattn_varlen: sagekit has no GPU kernel for packed variable-length batches yet "
-        "(sagekit.simulate_varlen runs them on the CPU); pad the sequences into a batch and "
-        "call sagekit.compat.sageattn, or keep the reference package for this call")
+    """Packed variable-length batches (q [total_q, heads, head_dim], k/v [total_k, heads_kv,
+    head_dim], int32 cu_seqlens on the device): sagekit.sageattn_varlen with sage1_b's numbers
+    (INT8 Q/K per block, FP16 P·V), every statistic per sequence; is_causal aligns each
+    sequence's mask bottom-right (the same as top-left where a sequence has as many queries as
+    keys)."""
+    call = _plan_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                        sm_scale, smooth_k, kwargs)
+    pad = call.padded_head_dim - call.head_dim
+    if pad:
+        import torch.nn.functional as F
+
+        q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+    out = _sagekit_sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, softmax_scale=call.scale, causal=call.is_causal,
+                                   recipe=call.recipe)
+    return out[..., :call.head_dim] if pad else out
 
 
 _PLANNERS = {
@@ -288,6 +315,7 @@ _PLANNERS = {
     sageattn_qk_int8_pv_fp16_cuda: _plan_fp16_cuda,
     sageattn_qk_int8_pv_fp8_cuda: _plan_fp8_cuda,
     sageattn_qk_int8_pv_fp8_cuda_sm90: _plan_fp8_cuda_sm90,
+    sageattn_varlen: _plan_varlen,
 }
 
 
@@ -305,8 +333,6 @@ def plan(function, *args: Any, **kwargs: Any) -> CompatCall:
 
     if isinstance(function, str):
         function = globals().get(function)
-    if function is sageattn_varlen:
-        function(*args, **kwargs)  # raises NotImplementedError
     planner = _PLANNERS.get(function)
     if planner is None:
         names = ", ".join(f.__name__ for f in _PLANNERS)

@@ -50,6 +50,7 @@ REFERENCE_SIGNATURES = {
         ("is_causal", False), ("sm_scale", None), ("smooth_k", True), ("**", None)],
 }
 
+# The 4-d entry points (sageattn_varlen takes packed tensors: its own tests below).
 ENTRY_POINTS = [name for name in REFERENCE_SIGNATURES if name != "sageattn_varlen"]
 
 
@@ -230,11 +231,21 @@ def test_unsupported_values_are_refused_by_parameter():
     check("function", compat.plan, "sageattn_fp4", q, q, q)
 
 
-def test_varlen_is_not_implemented_by_name():
-    with pytest.raises(NotImplementedError, match="sageattn_varlen"):
-        compat.sageattn_varlen(None, None, None, None, None, 8, 8)
-    with pytest.raises(NotImplementedError, match="sageattn_varlen"):
-        compat.plan(compat.sageattn_varlen, None, None, None, None, None, 8, 8)
+def test_varlen_maps_onto_the_packed_path():
+    q = np.zeros((300, 4, 72), np.float16)
+    call = compat.plan(compat.sageattn_varlen, q, q, q, None, None, 200, 200, is_causal=True)
+    assert call.recipe == {"base": "sage1_b", "smooth_k": True}
+    assert call.layout == "packed" and call.is_causal and call.scale is None
+    assert (call.head_dim, call.padded_head_dim) == (72, 72)
+    odd = np.zeros((300, 4, 20), np.float16)  # below the smallest head dim: padded, own scale
+    call = compat.plan("sageattn_varlen", odd, odd, odd, None, None, 8, 8, smooth_k=False,
+                       sm_scale=None)
+    assert call.recipe["smooth_k"] is False and call.padded_head_dim == 32
+    assert call.scale == pytest.approx(1 / np.sqrt(20))
+    check("q", compat.plan, compat.sageattn_varlen, np.zeros((1, 300, 4, 72)), q, q, None, None, 8, 8)
+    check("smooth_k", compat.plan, compat.sageattn_varlen, q, q, q, None, None, 8, 8, smooth_k=1)
+    with pytest.raises(TypeError, match="window_size"):
+        compat.plan(compat.sageattn_varlen, q, q, q, None, None, 8, 8, window_size=(4, 0))
 
 
 @needs_gpu
@@ -268,3 +279,27 @@ def test_reference_code_runs_through_compat_on_the_gpu(monkeypatch):
         out = (got.transpose(1, 2) if call.layout == "NHD" else got).float()
         cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0)
         assert cos > 0.99, (key, float(cos))
+
+
+@needs_gpu
+def test_varlen_runs_the_packed_kernel_on_the_gpu():
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    lengths = [37, 300, 1, 129]
+    total = sum(lengths)
+    q, k, v = (torch.randn((total, h, 64), generator=gen, device="cuda", dtype=torch.float16)
+               for h in (4, 2, 2))
+    cu = torch.tensor([0] + list(np.cumsum(lengths)), dtype=torch.int32, device="cuda")
+    got = compat.sageattn_varlen(q, k, v, cu, cu, max(lengths), max(lengths), is_causal=True)
+    want = sagekit.sageattn_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=True,
+                                   recipe={"base": "sage1_b", "smooth_k": True})
+    assert torch.equal(got, want)
+    for b in range(len(lengths)):
+        s = slice(int(cu[b]), int(cu[b + 1]))
+        qs, ks, vs = (t[s].transpose(0, 1).float() for t in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks.repeat_interleave(2, 0), vs.repeat_interleave(2, 0), is_causal=True)
+        cos = torch.nn.functional.cosine_similarity(got[s].transpose(0, 1).float().flatten(),
+                                                    ref.flatten(), dim=0)
+        assert cos > 0.99, (b, float(cos))
