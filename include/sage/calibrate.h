@@ -82,8 +82,9 @@ void write_npy_f16(const std::string& path, const std::vector<int64_t>& shape,
 
 // The samples of every layer of one model directory: layer<i>_q.npy, layer<i>_k.npy,
 // layer<i>_v.npy for i = 0, 1, ... with no gap. Arrays are [batch, heads, tokens, head_dim]
-// (HND) or [heads, tokens, head_dim] (batch 1); fp32 files are rounded to fp16, the dtype the
-// kernels would be given. Move-only: `layers` views the owned buffers.
+// (HND) or [heads, tokens, head_dim] (batch 1), V's head dim possibly its own (MLA); fp32
+// files are rounded to fp16, the dtype the kernels would be given. Move-only: `layers` views
+// the owned buffers.
 struct LayerFiles {
   std::string directory;
   std::vector<LayerSamples> layers;

@@ -17,9 +17,10 @@ namespace {
 // NaN ranks below every number, so a broken candidate is never "most accurate".
 double rank_cos(double c) { return std::isnan(c) ? -INFINITY : c; }
 
+// The output of the layer's call: q's shape with V's head dim.
 TensorView dense_out(void* data, DType dtype, const Problem& p, Layout layout) {
-  if (layout == Layout::HND) return contiguous_view(data, dtype, {p.batch, p.heads_q, p.n_q, p.head_dim});
-  return contiguous_view(data, dtype, {p.batch, p.n_q, p.heads_q, p.head_dim});
+  if (layout == Layout::HND) return contiguous_view(data, dtype, {p.batch, p.heads_q, p.n_q, p.head_dim_v});
+  return contiguous_view(data, dtype, {p.batch, p.n_q, p.heads_q, p.head_dim_v});
 }
 
 std::vector<const Recipe*> resolve_candidates(const std::vector<std::string>& names) {
@@ -124,18 +125,19 @@ Calibration calibrate(const std::vector<LayerSamples>& layers, const SpeedTable&
     std::vector<double> exact_buf;
     std::vector<uint16_t> sim_buf;
     try {
-      // check_args wants an output; give it the shape it will have.
+      // check_args wants an output; give it the shape it will have (never written).
       Problem shape_only;
       {
         AttentionArgs probe = args;
-        probe.out = s.q;
+        probe.out = contiguous_view(s.q.data, s.q.dtype,
+                                    {s.q.shape[0], s.q.shape[1], s.q.shape[2], s.v.shape[3]});
         shape_only = check_args(probe, DeviceKind::cpu);
       }
       p = shape_only;
       require_finite(s.q, "q", options.layout);
       require_finite(s.k, "k", options.layout);
       require_finite(s.v, "v", options.layout);
-      exact_buf.resize(static_cast<size_t>(p.batch * p.heads_q * p.n_q * p.head_dim));
+      exact_buf.resize(static_cast<size_t>(p.batch * p.heads_q * p.n_q * p.head_dim_v));
       sim_buf.resize(exact_buf.size());
       args.out = dense_out(exact_buf.data(), DType::f64, p, options.layout);
       reference::exact(args);
@@ -143,7 +145,7 @@ Calibration calibrate(const std::vector<LayerSamples>& layers, const SpeedTable&
       throw Error("layers", layer_name + ": " + e.what());
     }
     const std::vector<double> ref = reference::read_bhnd_f64(args.out, options.layout);
-    const int64_t per_sample = p.heads_q * p.n_q * p.head_dim;
+    const int64_t per_sample = p.heads_q * p.n_q * p.head_dim_v;
     const int64_t speed_n = options.speed_tokens > 0 ? options.speed_tokens : p.n_kv;
 
     LayerChoice choice;

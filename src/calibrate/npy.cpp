@@ -258,8 +258,10 @@ LayerFiles load_layer_files(const std::string& directory) {
     const std::string where = directory + ": layer" + std::to_string(layer) + ": ";
     if (shapes[1][0] != shapes[0][0] || shapes[2][0] != shapes[0][0])
       throw Error("inputs", where + "q, k and v must have the same batch (samples)");
-    if (shapes[1][1] != shapes[2][1] || shapes[1][2] != shapes[2][2] || shapes[1][3] != shapes[2][3])
-      throw Error("inputs", where + "k and v must have the same shape");
+    // V may have a head dim of its own (MLA: Q/K 192, V 128); its heads and tokens are K's.
+    if (shapes[1][1] != shapes[2][1] || shapes[1][2] != shapes[2][2])
+      throw Error("inputs", where + "k and v must have the same heads and tokens (the same shape "
+                                    "but for v's head_dim)");
     if (shapes[0][3] != shapes[1][3])
       throw Error("inputs", where + "q and k must have the same head_dim");
     LayerSamples s;

@@ -14,7 +14,9 @@
 #include <string>
 #include <vector>
 
+#include "reference/metrics.h"
 #include "reference/synthetic.h"
+#include "sage/attention.h"
 #include "sage/calibrate.h"
 #include "sage/error.h"
 #include "numerics/formats.h"
@@ -481,7 +483,7 @@ void write_layer(const TempDir& dir, int layer, const reference::SyntheticInputs
   const int64_t heads[3] = {s.heads_q, s.heads_kv, s.heads_kv};
   const int64_t tokens[3] = {s.n_q, s.n_kv, s.n_kv};
   for (int t = 0; t < 3; ++t) {
-    std::vector<int64_t> shape = {s.batch, heads[t], tokens[t], s.head_dim};
+    std::vector<int64_t> shape = {s.batch, heads[t], tokens[t], t == 2 ? s.v_dim() : s.head_dim};
     if (three_d) shape.erase(shape.begin());
     const std::string path = dir.file("layer" + std::to_string(layer) + "_" + "qkv"[t] + ".npy");
     if (as_f32) {
@@ -555,6 +557,35 @@ TEST(CalibrateCli, ThreeDimensionalFilesAreBatchOne) {
   const Calibration c = calibrate(files.layers, SpeedTable{}, o);
   EXPECT_TRUE(c.layers[0].passed);
   EXPECT_TRUE(c.causal);
+}
+
+// MLA's kind of layer (V with a head dim of its own) calibrates from its files: the scores are
+// taken on V's channels, and each equals a direct comparison of simulate with exact.
+TEST(CalibrateCli, VHeadDimOfItsOwn) {
+  TempDir dir("clidv");
+  reference::SyntheticShape s = layer_shape();
+  s.batch = 1, s.n_q = s.n_kv = 64, s.head_dim = 96, s.head_dim_v = 48;
+  const auto in = reference::make_synthetic("normal", s, 5);
+  write_layer(dir, 0, in, false);
+  const LayerFiles files = load_layer_files(dir.path.string());
+  ASSERT_EQ(files.layers.size(), 1u);
+  EXPECT_EQ(files.layers[0].v.shape[3], 48);
+  CalibrationOptions o;
+  o.candidates = {"sage2_8b"};
+  const Calibration c = calibrate(files.layers, SpeedTable{}, o);
+  AttentionArgs a;
+  a.q = in.q_view(), a.k = in.k_view(), a.v = in.v_view();
+  std::vector<float> sim(size_t(s.heads_q * s.n_q * 48)), ex(sim.size());
+  a.out = contiguous_view(ex.data(), DType::f32, {1, s.heads_q, s.n_q, 48});
+  reference::exact(a);
+  std::vector<uint16_t> sim16(sim.size());
+  a.out = contiguous_view(sim16.data(), DType::f16, {1, s.heads_q, s.n_q, 48});
+  a.recipe = preset("sage2_8b");
+  reference::simulate(a);
+  for (size_t i = 0; i < sim.size(); ++i) sim[i] = fmt::fp16_from_bits(sim16[i]);
+  const reference::ErrorStats st = reference::compare(sim.data(), ex.data(), int64_t(sim.size()));
+  EXPECT_NEAR(score(c.layers[0], "sage2_8b").cosine, st.cosine, 1e-9);  // its exact is float64
+  EXPECT_GT(st.cosine, 0.999);
 }
 
 TEST(CalibrateCli, InputDirectoryErrors) {
