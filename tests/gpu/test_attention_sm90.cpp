@@ -582,7 +582,7 @@ TEST(Sm90Sanitize, VHeadDimOfItsOwn) {
   cases.erase(std::remove_if(cases.begin(), cases.end(),
                              [](const GpuCase& c) { return c.recipe != "sage2_8b" && c.recipe != "sage1_b"; }),
               cases.end());
-  ASSERT_GE(cases.size(), 8u);
+  ASSERT_GE(cases.size(), 4u);  // two recipes at 128 / 64 and 64 / 128 at least
   expect_cases_within_bounds(cases);
 }
 
