@@ -252,7 +252,9 @@ def _run_varlen(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     if q.ndim != 3:
         raise argument_error("q", f"must have 3 dimensions [total_q, heads_q, head_dim] (got {q.ndim})")
     total_q, heads_q = int(q.shape[0]), int(q.shape[1])
-    out, out_arg = _new_float32(kind, tuple(int(s) for s in q.shape))
+    # The output has V's head dim (the library checks v itself).
+    dv = int(v.shape[-1]) if getattr(v, "ndim", 0) == 3 else int(q.shape[-1])
+    out, out_arg = _new_float32(kind, (total_q, heads_q, dv))
     lse, lse_arg = _new_float32(kind, (heads_q, total_q)) if return_lse else (None, None)
     conv = {n: _host_capsule(x, n) for n, x in named.items()} if kind == "torch" else named
     fn(conv["q"], conv["k"], conv["v"], conv["cu_seqlens_q"], conv["cu_seqlens_k"], max_q, max_k,

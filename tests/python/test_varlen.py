@@ -64,6 +64,24 @@ def test_varlen_equals_the_dense_call_on_each_sequence(recipe, causal, window):
         np.testing.assert_array_equal(lse[:, rows], d_lse[0], err_msg=f"sequence {b}")
 
 
+@pytest.mark.parametrize("recipe", ["sage2_8b", None])
+def test_v_with_a_head_dim_of_its_own(recipe):
+    # MLA's kind of shape packed: out takes v's head dim, and each sequence is its dense call.
+    rng = np.random.default_rng(7)
+    seqs = [make_sequence(*s) for s in SEQS]
+    seqs = [(q, k, rng.standard_normal((len(k), HEADS_KV, 24)).astype(np.float16)) for q, k, _ in seqs]
+    q, k, _, cu_q, cu_k, max_q, max_k = pack(seqs)
+    v = np.concatenate([s[2] for s in seqs])
+    fn = sagekit.exact_varlen if recipe is None else sagekit.simulate_varlen
+    kwargs = {} if recipe is None else {"recipe": recipe}
+    out = fn(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, **kwargs)
+    assert out.shape == (len(q), HEADS_Q, 24)
+    dense = sagekit.exact if recipe is None else sagekit.simulate
+    for b, (sq, sk, sv) in enumerate(seqs):
+        d_out = dense(sq[None], sk[None], sv[None], is_causal=True, layout="NHD", **kwargs)
+        np.testing.assert_array_equal(out[cu_q[b]:cu_q[b + 1]], d_out[0], err_msg=f"sequence {b}")
+
+
 @pytest.mark.parametrize("recipe", ["sage2_8b", "auto", "sage1_b", "int_flash_q", "sage2_4b"])
 def test_a_sequence_does_not_depend_on_its_neighbours(recipe):
     target = make_sequence(150, 211, 10)
