@@ -207,18 +207,24 @@ def _plan_fp8_cuda_sm90(q, tensor_layout, is_causal, qk_quant_gran, sm_scale, pv
 
 # ---- running a mapped call ---------------------------------------------------------------------
 
-def _run(call: CompatCall, q: Any, k: Any, v: Any):
-    # The reference's kernels take one head dim for q, k and v; sagekit.sageattn takes a V
-    # head dim of its own.
+def _padded(call: CompatCall, q: Any, k: Any, v: Any) -> tuple:
+    """q, k, v zero-padded to the call's head dim. The reference's kernels take one head dim
+    for all three (sagekit.sageattn takes a V head dim of its own), so v's must be q's."""
     if getattr(v, "shape", None) is not None and len(v.shape) >= 1 and int(v.shape[-1]) != call.head_dim:
         raise argument_error("v", f"head_dim must equal q's head_dim {call.head_dim} in the "
                              f"reference's API (got {int(v.shape[-1])}); sagekit.sageattn takes "
                              "a V head dim of its own")
     pad = call.padded_head_dim - call.head_dim
-    if pad:
-        import torch.nn.functional as F
+    if not pad:
+        return q, k, v
+    import torch.nn.functional as F
 
-        q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+    return tuple(F.pad(t, (0, pad)) for t in (q, k, v))
+
+
+def _run(call: CompatCall, q: Any, k: Any, v: Any):
+    pad = call.padded_head_dim - call.head_dim
+    q, k, v = _padded(call, q, k, v)
     result = _sagekit_sageattn(q, k, v, is_causal=call.is_causal, scale=call.scale,
                                layout=call.layout, recipe=call.recipe,
                                return_lse=call.return_lse)
@@ -299,10 +305,7 @@ def sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_
     call = _plan_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                         sm_scale, smooth_k, kwargs)
     pad = call.padded_head_dim - call.head_dim
-    if pad:
-        import torch.nn.functional as F
-
-        q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+    q, k, v = _padded(call, q, k, v)
     out = _sagekit_sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k, softmax_scale=call.scale, causal=call.is_causal,
                                    recipe=call.recipe)
