@@ -267,9 +267,7 @@ void attention_for_training(const AttentionArgs& args, const TensorView& lse2, v
   if (!gpu_supports_backward(args.recipe))
     throw Error("recipe", "'" + args.recipe.name + "' has no sm_90 backward, so no training forward " +
                               "(gpu_supports_backward)");
-  if (pr.head_dim_v != pr.head_dim)
-    throw Error("v", "head_dim must equal q's head_dim " + std::to_string(pr.head_dim) + " (got " +
-                         std::to_string(pr.head_dim_v) + "): the backward has no V head dim of its own");
+  detail::check_one_head_dim(pr.head_dim, pr.head_dim_v);
   detail::check_saved_l2(lse2, pr, DeviceKind::cuda);
   detail::attention_for_backward(args, workspace, workspace_size, static_cast<float*>(lse2.data), stream);
 }

@@ -16,10 +16,13 @@ quant::QuantizedKV attention_for_backward(const AttentionArgs& args, void* works
                                           size_t workspace_size, float* lse2, void* stream);
 // The K/V pre-pass of attention(args) alone (the backward's K' codes when the forward's L2 was
 // saved); returns where the quantized K/V lie in the workspace.
+quant::QuantizedKV quantize_kv_for_backward(const AttentionArgs& args, void* workspace,
+                                            size_t workspace_size, void* stream);
 // lse2's checks (BackwardArgs::lse2, attention_for_training): f32 [batch, heads_q, n_q],
 // contiguous, on `device`.
 void check_saved_l2(const TensorView& lse2, const Problem& p, DeviceKind device);
-quant::QuantizedKV quantize_kv_for_backward(const AttentionArgs& args, void* workspace,
-                                            size_t workspace_size, void* stream);
+// The backward (and so a training forward) takes one head dim for q, k and v: the forward's V
+// head dim of its own is refused, naming v.
+void check_one_head_dim(int64_t head_dim, int64_t head_dim_v);
 
 }  // namespace sage::detail

@@ -12,6 +12,13 @@
 
 namespace sage {
 
+void detail::check_one_head_dim(int64_t head_dim, int64_t head_dim_v) {
+  if (head_dim_v != head_dim)
+    throw Error("v", "head_dim must equal q's head_dim " + std::to_string(head_dim) +
+                         " for the backward (got " + std::to_string(head_dim_v) +
+                         "): only the forward takes a V head dim of its own");
+}
+
 void detail::check_saved_l2(const TensorView& t, const Problem& p, DeviceKind device) {
   const int64_t want[3] = {p.batch, p.heads_q, p.n_q};
   const std::string dims = "[batch, heads_q, n_q] = [" + std::to_string(want[0]) + ", " +
@@ -102,10 +109,7 @@ void check_gradient_dtype(const TensorView& t, const char* name) {
 // that an out of q's shape is not reported first. Views that are not 4-d are check_args' to name.
 void check_v_head_dim(const BackwardArgs& a) {
   if (!a.q.defined() || !a.v.defined() || a.q.ndim != 4 || a.v.ndim != 4) return;
-  if (a.v.shape[3] != a.q.shape[3])
-    throw Error("v", "head_dim must equal q's head_dim " + std::to_string(a.q.shape[3]) +
-                         " for the backward (got " + std::to_string(a.v.shape[3]) +
-                         "): only the forward takes a V head dim of its own");
+  detail::check_one_head_dim(a.q.shape[3], a.v.shape[3]);
 }
 
 // The forward call a backward call implies, for check_args: its out and lse are the
