@@ -20,7 +20,9 @@ OPS = [
     ("mma_e4m3_rs", 64, 32, "f32", "e4m3", "e4m3", "float"),
     ("mma_e4m3_rs", 96, 32, "f32", "e4m3", "e4m3", "float"),
     ("mma_e4m3_rs", 128, 32, "f32", "e4m3", "e4m3", "float"),
-    # d = 128 with one more n8 block of V: the row sum's column of ones (RowSum::pv_mma)
+    # d = 128 with one more n8 block of V: the row sum's column of ones (RowSum::pv_mma); n = 104:
+    # the same for the d = 192 kernel's second column range of 96
+    ("mma_e4m3_rs", 104, 32, "f32", "e4m3", "e4m3", "float"),
     ("mma_e4m3_rs", 136, 32, "f32", "e4m3", "e4m3", "float"),
     ("mma_e4m3_rs_f16acc", 64, 32, "f16", "e4m3", "e4m3", "uint32_t"),
     ("mma_e4m3_rs_f16acc", 96, 32, "f16", "e4m3", "e4m3", "uint32_t"),

@@ -30,8 +30,8 @@ struct TileConfig {
 // docs/design.md), and at d = 64 the accumulators are small enough for a third warpgroup
 // (160 registers each over 512 threads; FlashAttention-3 runs 192-row tiles there too). At
 // d = 128, O, the PV product, S and P alone need ~210 registers.
-// Ranges of head dims, so that every d shares its tile with kernel_head_dim(d); 96 and 256 take
-// two (at 96 O, the PV product, S and P need ~180 registers, above the 160 of three).
+// Ranges of head dims, so that every d shares its tile with kernel_head_dim(d); 96, 192 and 256
+// take two (at 96 O, the PV product, S and P need ~180 registers, above the 160 of three).
 constexpr SAGE_HD int consumer_warpgroups(int head_dim) { return head_dim <= 64 ? 3 : 2; }
 
 // The head dim of the Hopper kernel that runs head dim d (issue 34): a head dim with no
@@ -39,11 +39,12 @@ constexpr SAGE_HD int consumer_warpgroups(int head_dim) { return head_dim <= 64 
 // bounded by d). What a kernel decides from its head dim and the numerics can see (the tile
 // here, the row sum from the PV MMA, P's scale fold: quant_rules.h) is decided from this value,
 // so the simulator at d models the kernel that really runs d. The tiles, one per range:
-//   d <= 64: 64 (three consumer warpgroups), d <= 96: 96, d <= 128: 128, d <= 256: 256.
+//   d <= 64: 64 (three consumer warpgroups), d <= 96: 96, d <= 128: 128, d <= 192: 192
+//   (MLA's Q/K head dim), d <= 256: 256.
 // sm90/fwd/kernel_traits.h instantiates these (SAGE_SUPPORTED_HEAD_DIMS) and static_asserts
 // that each instantiated dim is a fixed point of this function.
 constexpr SAGE_HD int kernel_head_dim(int head_dim) {
-  return head_dim <= 64 ? 64 : head_dim <= 96 ? 96 : head_dim <= 128 ? 128 : 256;
+  return head_dim <= 64 ? 64 : head_dim <= 96 ? 96 : head_dim <= 128 ? 128 : head_dim <= 192 ? 192 : 256;
 }
 
 // The head dim a call's tile is chosen for (kernel_head_dim, tile_config, the rules above): one

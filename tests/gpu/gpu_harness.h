@@ -47,7 +47,7 @@ std::vector<Variant> variants();
 
 // The head dims the fixed GPU tests loop over: every kernel tile of the build
 // (gpu_kernel_head_dim_list) and two smaller head dims that run zero-padded inside the kernel
-// (issue 34): 40 on the 64 tile and 192 on the 256 one. The randomized test draws from every
+// (issue 34): 40 on the 64 tile and 224 on the 256 one. The randomized test draws from every
 // accepted head dim (gpu_head_dim_list).
 std::vector<int64_t> harness_head_dims();
 // Whether a recipe's PV path has a kernel at the tile of head_dim (sm90 kernel_traits.h,

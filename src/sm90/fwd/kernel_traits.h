@@ -25,7 +25,10 @@
 // 128 (pv_operand.cuh kSplits: O alone is 128 registers, the whole fp32 product would be 128
 // more) with the row sum's ones block in the second (n = 136: no n = 264 MMA exists), one tile
 // at a time, two stages and no Q stage (shared memory), no fp16-PV variant (variant_has_kernel).
-#define SAGE_SUPPORTED_HEAD_DIMS(X) X(64) X(96) X(128) X(256)
+// 192 (MLA's Q/K): the d = 256 kernel's shape on the same 256-byte workspace rows, with six
+// k32 QK MMAs (the last two of 256 would only multiply zeros) and PV column ranges of 96 (the
+// ones block in the second: n = 104).
+#define SAGE_SUPPORTED_HEAD_DIMS(X) X(64) X(96) X(128) X(192) X(256)
 
 namespace sage::sm90 {
 
