@@ -19,6 +19,9 @@
 #include "sage/attention.h"
 #include "numerics/formats.h"
 #include "numerics/mask.h"
+#ifdef SAGE_WITH_CUDA
+#include "sm90/fwd/tile_scheduler.h"
+#endif
 
 namespace sage::cli {
 namespace {
@@ -31,6 +34,8 @@ struct BenchConfig {
   bool split = false;  // also time the two steps (quantize_kv, attention_from_quantized_kv) alone
   int64_t k_mean_stride = 0;  // > 0: instead of each preset's (recipe.k_mean_stride)
   WindowFlag window;          // --window: a sliding window at every point
+  std::string order = "auto";  // --order / --items-per-cta: the tile scheduler's choices, forced
+  int64_t items_per_cta = 0;
   std::string json;
 };
 
@@ -123,7 +128,21 @@ double median_ms(const BenchConfig& c, cudaStream_t stream, Call&& call) {
   return c.iters % 2 ? ms[c.iters / 2] : 0.5 * (ms[c.iters / 2 - 1] + ms[c.iters / 2]);
 }
 
+// --order and --items-per-cta force the forward's work order and items per CTA for every
+// launch of this process (sm90::set_schedule_overrides): scheduler studies, e.g. under a
+// window, compare orders in one run; the default leaves the library's own choice.
+void force_schedule(const BenchConfig& c) {
+  sm90::ScheduleOverrides o = sm90::schedule_overrides();
+  o.items_per_cta = static_cast<int>(c.items_per_cta);
+  o.order = c.order == "consecutive" ? sm90::WorkOrderOverride::consecutive
+            : c.order == "grouped"   ? sm90::WorkOrderOverride::grouped
+            : c.order == "strided"   ? sm90::WorkOrderOverride::strided
+                                     : sm90::WorkOrderOverride::automatic;
+  sm90::set_schedule_overrides(o);
+}
+
 int run_grid(const BenchConfig& c) {
+  force_schedule(c);
   cuda_check(cudaSetDevice(0), "cudaSetDevice");
   cudaDeviceProp prop{};
   cuda_check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
@@ -132,7 +151,11 @@ int run_grid(const BenchConfig& c) {
   std::cout << "device: " << device << " (L2 " << l2 / (1024 * 1024) << " MiB); build: "
             << build_description() << "\n"
             << "whole call (quantization included), median of " << c.iters
-            << " CUDA-event timings after " << c.warmup << " warm-up calls\n\n";
+            << " CUDA-event timings after " << c.warmup << " warm-up calls\n";
+  if (c.order != "auto" || c.items_per_cta > 0)
+    std::cout << "schedule forced: order " << c.order << ", items per CTA "
+              << (c.items_per_cta > 0 ? std::to_string(c.items_per_cta) : "auto") << "\n";
+  std::cout << "\n";
 
   const int total = static_cast<int>(c.recipes.size() * c.dtypes.size() * c.dims.size() *
                                      c.causal.size() * c.ns.size());
@@ -283,7 +306,8 @@ int run_grid(const BenchConfig& c) {
     JsonRecord meta;
     meta.str("tool", "sage bench").str("device", device).str("build", build_description())
         .str("timing", "whole call, median of CUDA-event timings after warm-up")
-        .integer("tokens", c.tokens).integer("iters", c.iters).integer("warmup", c.warmup);
+        .integer("tokens", c.tokens).integer("iters", c.iters).integer("warmup", c.warmup)
+        .str("order", c.order).integer("items_per_cta", c.items_per_cta);
     write_json_file("sage bench", c.json, meta, records);
     std::cout << "wrote " << records.size() << " records to " << c.json << "\n";
   }
@@ -324,6 +348,10 @@ int run_bench(const std::vector<std::string>& args) {
        {"k-mean-stride", "S",
         "take K smoothing's mean over every S-th key instead of each preset's stride (recipes "
         "that smooth K)"},
+       {"order", "auto|consecutive|grouped|strided",
+        "force the forward's work order for every launch (default auto: the library's choice; "
+        "docs/design.md, chained work items)"},
+       {"items-per-cta", "N", "force N work items per CTA (default 0: the library's choice)"},
        {"json", "FILE", "also write every point as a JSON record"}},
       args);
   if (flags.help()) {
@@ -357,6 +385,8 @@ int run_bench(const std::vector<std::string>& args) {
                              : std::vector<std::string>{dtype};
   c.warmup = flags.integer("warmup", 5, 0, 10000);
   c.iters = flags.integer("iters", 30, 1, 100000);
+  c.order = flags.choice("order", "auto", {"auto", "consecutive", "grouped", "strided"});
+  c.items_per_cta = flags.integer("items-per-cta", 0, 0, 1 << 20);
   c.json = flags.str("json", "");
   if (flags.has("json") && c.json.empty())
     throw UsageError("sage bench: --json needs a file name");

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizers, Python package, benchmark.
-# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [timingmodes] [profile] [digest] [ab] [dist] [distbench] [dimbench] [mlabench] [varlenbench] [bwdbench] [bwdab] [parity] [bwdprofile]
+# Usage: bash scripts/gpu_run.sh [build] [test] [sanitize] [python] [bench] [recipes] [quickbench] [hostbench] [timingmodes] [profile] [digest] [ab] [dist] [distbench] [dimbench] [mlabench] [windowbench] [varlenbench] [bwdbench] [bwdab] [parity] [bwdprofile]
 # Results land in $OUT (at most 8 files come back): logs, JSON and Markdown.
 # bench: BENCH_RUNS runs of the grid (default 3), merged into $OUT/h100.{json,md} by their
 # per-point median (bench/merge_runs.py).
@@ -245,6 +245,44 @@ if has mlabench; then
   python3 bench/bench_sdpa.py --dims 192 --dv 128 --ns "${NS:-1024,2048,4096,16384}" --heads 0 \
     --recipe "${RECIPE:-sage2_8b}" --no-kernel-only --iters ${ITERS:-10} \
     --json "$OUT/h100_mla.json" --markdown /dev/null 2>&1 | grep -E "^\[|failed" | tail -20
+fi
+if has windowbench; then
+  # Issue 34's window bar: N = 32K, d = 128, causal with a 4K left window against full causal
+  # (effective TOPS: visible pairs only), alternated over WINDOW_ROUNDS rounds (default 2);
+  # WINDOW_VARIANTS adds "label:sage bench flags" runs, of the 4K window unless the flags give
+  # another (e.g. "strided:--order strided;c4:--order consecutive --items-per-cta 4").
+  # Needs the build stage's sage_cli.
+  log "sliding window against full causal"
+  IFS=';' read -r -a variants <<< "full:;window:--window 4096,0${WINDOW_VARIANTS:+;$WINDOW_VARIANTS}"
+  for round in $(seq 1 "${WINDOW_ROUNDS:-2}"); do
+    for variant in "${variants[@]}"; do
+      label=${variant%%:*} flags=${variant#*:}
+      [ "$label" != full ] && [[ "$flags" != *--window* ]] && flags="--window 4096,0 $flags"
+      $BUILD/cli/sage bench --recipe sage2_8b --d 128 --n 32768 --causal yes --split --iters 20 \
+        $flags --json "$BUILD/window_${label}_$round.json" 2>&1 | grep -E "^\| sage2_8b" |
+        sed "s/^/$label r$round /"
+    done
+  done
+  # One file of records (label, round, order), and each label's median effective TOPS over
+  # full causal's.
+  python3 - "$OUT/h100_window.json" $BUILD/window_*_*.json <<'PY'
+import json, os, re, statistics, sys
+records = []
+for path in sys.argv[2:]:
+    label, rnd = re.match(r"window_(.+)_(\d+)\.json", os.path.basename(path)).groups()
+    run = json.load(open(path))
+    for r in run["records"]:
+        records.append(dict(r, label=label, round=int(rnd), order=run["order"],
+                            items_per_cta=run["items_per_cta"]))
+json.dump(records, open(sys.argv[1], "w"), indent=1)
+tops = {}
+for r in records:
+    tops.setdefault(r["label"], []).append(r["tops"])
+full = statistics.median(tops.pop("full"))
+print(f"full causal {full:.1f} TOPS (median)")
+for label, values in sorted(tops.items()):
+    print(f"{label}: {statistics.median(values):.1f} effective TOPS, {statistics.median(values) / full:.3f}x full causal")
+PY
 fi
 if has varlenbench; then
   # Issue 34's packed-batch bar: 32 sequences of lengths uniform in [128, 8192], d 128.

@@ -68,3 +68,12 @@ def test_calibrate_refuses_nan_samples_by_name(tmp_path):
     assert rc == 2
     assert "--inputs layer 0: k: holds NaN at [batch, head, token, channel] = [0, 1, 3, 2]" in out, out
     assert not (tmp_path / "choice.json").exists()
+
+
+def test_bench_schedule_flags_name_the_flag():
+    rc, out = sage("bench", "--order", "fastest")
+    assert rc == 2
+    assert "--order" in out and "fastest" in out and "strided" in out, out
+    rc, out = sage("bench", "--items-per-cta", "-1")
+    assert rc == 2
+    assert "--items-per-cta" in out, out
