@@ -46,12 +46,15 @@ __device__ __forceinline__ float inverse_127(float amax) {
   return __fmaf_rn(__fmaf_rn(-q, amax, a), y, q);
 }
 
-// The code's byte, rules::round_clamp(x * inv, 127) & 0xff: clamping first (to the integer
-// bounds, NaN to -127 as round_clamp's fmaxf does) and rounding after gives the same integer,
-// and the rounding is one FADD (round_to_low_bits) instead of two quarter-rate conversions.
+// The code's byte, rules::round_clamp(x * inv, 127) & 0xff, in two instructions beside the
+// byte merge: the rounding is one FADD (round_to_low_bits) instead of two quarter-rate
+// conversions, and of the clamp only the lower bound is kept, for NaN (-127, as round_clamp's
+// fmaxf gives it). The upper bound never acts: every value is at most its group's amax in
+// magnitude, so |x * inv| <= 127 (1 + 2^-23)^2 rounds into [-127, 127] (the forward's Q codes
+// drop both bounds on that ground, q_operand.cuh), and an infinite amax makes inv 0, x * inv
+// 0 or NaN.
 __device__ __forceinline__ uint32_t code_byte(float x, float inv) {
-  const float q = float(rules::kInt8Max);
-  const float c = fminf(fmaxf(__fmul_rn(x, inv), -q), q);
+  const float c = fmaxf(__fmul_rn(x, inv), -float(rules::kInt8Max));
   return round_to_low_bits(c) & 0xffu;
 }
 
