@@ -147,15 +147,19 @@ if has ab; then
   # Speed A/B against an older tree in ab_old/: both built with only the recipe's kernels,
   # then `sage bench` of each, alternated twice in one run so that clock drift hits both
   # alike. AB_N, AB_CAUSAL (no, yes, both), AB_RECIPE, AB_DTYPE (fp16, bf16) pick the grid;
-  # AB_SPLIT=1 adds `--split` (pre-pass and kernel timed alone). Lines go to $OUT/ab.txt as
-  # they come, so a run cut short by its time limit still reports.
+  # AB_SPLIT=1 adds `--split` (pre-pass and kernel timed alone); AB_VARIANTS the kernel
+  # variants built (SAGE_KERNEL_VARIANTS, e.g. int8_dynamic:per_tile:0 for sagebwd; default
+  # sage2_8b's, or all for other recipes). Lines go to $OUT/ab.txt as they come, so a run cut
+  # short by its time limit still reports.
   log "A/B against ab_old/"
   recipe=${AB_RECIPE:-sage2_8b}
   variants=all; [ "$recipe" = sage2_8b ] && variants=e4m3_two_level:per_tile:0
+  variants=${AB_VARIANTS:-$variants}
   for side in old new; do
     src=.; [ $side = old ] && src=ab_old
     (cmake -S $src -B build-ab-$side -G Ninja -DCMAKE_BUILD_TYPE=Release -DSAGE_BUILD_TESTS=OFF \
-      -DSAGE_KERNEL_VARIANTS=$variants > "$OUT/ab_build_$side.log" 2>&1 &&
+      -DSAGE_KERNEL_VARIANTS=$variants ${SAGE_HEAD_DIMS:+"-DSAGE_HEAD_DIMS=$SAGE_HEAD_DIMS"} \
+      > "$OUT/ab_build_$side.log" 2>&1 &&
       ninja -C build-ab-$side -j8 sage_cli >> "$OUT/ab_build_$side.log" 2>&1) &
   done
   wait
