@@ -16,6 +16,18 @@ log() { echo "== $(date +%T) $*"; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/device.txt"
 BUILD=build-gpu-run
+# Stages that import the sagekit package: without the python stage in this call, a package
+# installed by an earlier call on the same warm machine must be there (else stop now, before
+# the build spends the call's time).
+if ! has python; then
+  for stage in bench recipes timingmodes hostbench quickbench dist distbench dimbench mlabench \
+               varlenbench bwdab bwdbench parity bwdprofile; do
+    if has $stage && ! python3 -c "import sagekit" 2> /dev/null; then
+      echo "gpu_run.sh: the $stage stage needs the sagekit package: add the python stage"
+      exit 2
+    fi
+  done
+fi
 if has build; then
   log build
   # TARGETS (e.g. sage_cli) limits what is built; CUDA_FLAGS adds nvcc flags (e.g. -lineinfo);
