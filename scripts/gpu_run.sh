@@ -275,7 +275,7 @@ if has windowbench; then
       label=${variant%%:*} flags=${variant#*:}
       [ "$label" != full ] && [[ "$flags" != *--window* ]] && flags="--window 4096,0 $flags"
       $BUILD/cli/sage bench --recipe sage2_8b --d 128 --n 32768 --causal yes --split --iters 20 \
-        $flags --json "$BUILD/window_${label}_$round.json" 2>&1 | grep -E "^\| sage2_8b" |
+        $flags --json "$BUILD/window_${label}_$round.json" 2>&1 | grep -E "^ *sage2_8b" |
         sed "s/^/$label r$round /"
     done
   done
