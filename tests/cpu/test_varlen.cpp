@@ -114,8 +114,9 @@ struct Packed {
   }
 };
 
+// (memcmp is not given an empty vector's data(), which may be null: undefined behaviour.)
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 struct Mask {
