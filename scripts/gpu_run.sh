@@ -270,6 +270,7 @@ if has windowbench; then
   # Needs the build stage's sage_cli.
   log "sliding window against full causal"
   IFS=';' read -r -a variants <<< "full:;window:--window 4096,0${WINDOW_VARIANTS:+;$WINDOW_VARIANTS}"
+  rm -f $BUILD/window_*_*.json  # an earlier call's variants on a warm machine
   for round in $(seq 1 "${WINDOW_ROUNDS:-2}"); do
     for variant in "${variants[@]}"; do
       label=${variant%%:*} flags=${variant#*:}
